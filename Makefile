@@ -1,0 +1,50 @@
+# Gyre: `make run` runs the quickstart job, `make test` runs lint, type checks and tests.
+# Both create or refresh the virtual environment first (.venv, Python 3.11).
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv run test lint typecheck unit proto bench sim clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP) ## create or refresh the virtual environment
+
+run: $(STAMP) ## run the quickstart training job (embedded NATS and Postgres, CPU only)
+	$(BIN)/gyre run examples/quickstart.yaml
+
+test: $(STAMP) lint typecheck ## lint, type-check and run every test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff lint and format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP) ## mypy over the runtime and the services
+	$(BIN)/mypy gyre services
+
+proto: $(STAMP) ## regenerate gyre/v1 stubs from proto/
+	$(BIN)/python scripts/gen_proto.py
+
+bench: $(STAMP) ## run the benchmarks (JSON on stdout)
+	$(BIN)/gyre bench trajectory --json
+	$(BIN)/gyre bench trainer --json
+	$(BIN)/gyre bench rollout --json
+
+sim: $(STAMP) ## run the cluster simulator on the xlong workload
+	$(BIN)/gyre sim --workload xlong --json
+
+clean: ## remove the virtual environment and run directories
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,109 @@
+"""Typed configuration: one pydantic model per service plus the run's common settings.
+
+A run is one YAML file. Top-level keys are `CommonConfig` fields; each service reads its own
+section (`scheduler:`, `rollout:`, `trajectory:`, `trainer:`), validated by that service's config
+class. Environment variables override the file: `GYRE_<FIELD>` for common fields (e.g.
+`GYRE_NATS_URL`, `GYRE_DATABASE_URL`) and `GYRE_<SECTION>__<FIELD>` for a section field
+(e.g. `GYRE_TRAINER__LR=1e-4`). A bad value fails at load with the field, the value and a hint.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gyre.errors import ConfigError
+
+M = TypeVar("M", bound="ConfigModel")
+
+
+class ConfigModel(BaseModel):
+    """Base of every config: unknown keys are errors (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class CommonConfig(ConfigModel):
+    """Settings every service of a run shares."""
+
+    run_id: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Name of the run; a NATS subject token, so only letters, digits, '_' and '-'.",
+    )
+    run_dir: Path = Field(
+        Path("runs/default"),
+        description="Directory for this run's logs, embedded servers' data, weights, checkpoints and report.",
+    )
+    nats_url: str | None = Field(
+        None,
+        description="NATS server URL (nats://host:4222). Unset: the launcher starts an embedded nats-server.",
+    )
+    database_url: str | None = Field(
+        None,
+        description="SQLAlchemy URL of Postgres (postgresql+psycopg://user:pw@host/db). Unset: embedded Postgres.",
+    )
+    seed: int = Field(0, ge=0, description="Seed of every random generator in the run.")
+    log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="Python log level.")
+
+
+def _env_overrides(section: str | None) -> dict[str, Any]:
+    prefix = "GYRE_" if section is None else f"GYRE_{section.upper()}__"
+    out: dict[str, Any] = {}
+    for key, value in os.environ.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :].lower()
+        if section is None and "__" in name:
+            continue
+        out[name] = yaml.safe_load(value) if value else value
+    return out
+
+
+def load_yaml(path: str | Path | None) -> dict[str, Any]:
+    """Read a YAML mapping; a missing file or a non-mapping is a ConfigError."""
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass an existing YAML file (see examples/)")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a YAML mapping at top level, got {type(data).__name__}")
+    return data
+
+
+def build(cls: type[M], data: dict[str, Any], *, where: str) -> M:
+    """Validate `data` as `cls`; turn pydantic's error into one readable ConfigError."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(root)"
+            field = cls.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+            hint = f" — {field.description}" if field is not None and field.description else ""
+            lines.append(f"  {where}.{loc}: {err['msg']} (got {err.get('input')!r}){hint}")
+        raise ConfigError(f"invalid configuration in {where}:\n" + "\n".join(lines)) from None
+
+
+def load_common(path: str | Path | None = None, data: dict[str, Any] | None = None) -> CommonConfig:
+    """CommonConfig from the YAML file's top-level keys (service sections ignored) plus GYRE_* env."""
+    raw = dict(data if data is not None else load_yaml(path))
+    fields = {k: v for k, v in raw.items() if k in CommonConfig.model_fields}
+    fields.update({k: v for k, v in _env_overrides(None).items() if k in CommonConfig.model_fields})
+    return build(CommonConfig, fields, where="run")
+
+
+def load_section(cls: type[M], section: str, path: str | Path | None = None, data: dict[str, Any] | None = None) -> M:
+    """A service's config from the `section:` mapping of the run YAML plus GYRE_<SECTION>__* env."""
+    raw = dict(data if data is not None else load_yaml(path))
+    sec = raw.get(section) or {}
+    if not isinstance(sec, dict):
+        raise ConfigError(f"section {section!r} must be a mapping, got {type(sec).__name__}")
+    merged = {**sec, **_env_overrides(section)}
+    return build(cls, merged, where=section)

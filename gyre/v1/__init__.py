@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs of proto/gyre/v1 (scripts/gen_proto.py). Do not edit."""

@@ -1,0 +1,147 @@
+from gyre.v1 import events_pb2 as _events_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class IngestSummary(_message.Message):
+    __slots__ = ("num_received", "num_stored", "num_duplicates", "num_rejected", "errors")
+    NUM_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    num_received: int
+    num_stored: int
+    num_duplicates: int
+    num_rejected: int
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_received: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_rejected: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PullBatchRequest(_message.Message):
+    __slots__ = ("run_id", "max_tokens", "wait_s", "resume_batch_id", "consumer", "current_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    RESUME_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    max_tokens: int
+    wait_s: float
+    resume_batch_id: str
+    consumer: str
+    current_version: int
+    def __init__(self, run_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., wait_s: _Optional[float] = ..., resume_batch_id: _Optional[str] = ..., consumer: _Optional[str] = ..., current_version: _Optional[int] = ...) -> None: ...
+
+class BatchChunk(_message.Message):
+    __slots__ = ("batch_id", "chunk_index", "last", "token_ids", "position_ids", "node_offsets", "node_lengths", "node_parents", "loss_mask", "weight_pos", "weight_neg", "kl_weight", "behaviour_logprobs", "policy_versions", "num_paths", "num_flat_tokens", "group_ids", "reward_sum", "num_partial_paths")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NODE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    NODE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_POS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_NEG_FIELD_NUMBER: _ClassVar[int]
+    KL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOUR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PATHS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FLAT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_SUM_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARTIAL_PATHS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: str
+    chunk_index: int
+    last: bool
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    position_ids: _containers.RepeatedScalarFieldContainer[int]
+    node_offsets: _containers.RepeatedScalarFieldContainer[int]
+    node_lengths: _containers.RepeatedScalarFieldContainer[int]
+    node_parents: _containers.RepeatedScalarFieldContainer[int]
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    weight_pos: _containers.RepeatedScalarFieldContainer[float]
+    weight_neg: _containers.RepeatedScalarFieldContainer[float]
+    kl_weight: _containers.RepeatedScalarFieldContainer[float]
+    behaviour_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    num_paths: int
+    num_flat_tokens: int
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    reward_sum: float
+    num_partial_paths: int
+    def __init__(self, batch_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., position_ids: _Optional[_Iterable[int]] = ..., node_offsets: _Optional[_Iterable[int]] = ..., node_lengths: _Optional[_Iterable[int]] = ..., node_parents: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., weight_pos: _Optional[_Iterable[float]] = ..., weight_neg: _Optional[_Iterable[float]] = ..., kl_weight: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., num_paths: _Optional[int] = ..., num_flat_tokens: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., reward_sum: _Optional[float] = ..., num_partial_paths: _Optional[int] = ...) -> None: ...
+
+class AckBatchRequest(_message.Message):
+    __slots__ = ("batch_id", "consumer", "trained_at_version")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    batch_id: str
+    consumer: str
+    trained_at_version: int
+    def __init__(self, batch_id: _Optional[str] = ..., consumer: _Optional[str] = ..., trained_at_version: _Optional[int] = ...) -> None: ...
+
+class AckBatchResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExportExecutionRequest(_message.Message):
+    __slots__ = ("execution_id",)
+    EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
+    execution_id: str
+    def __init__(self, execution_id: _Optional[str] = ...) -> None: ...
+
+class ExportedCall(_message.Message):
+    __slots__ = ("call_seq", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "completion_versions", "agent_id")
+    CALL_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    call_seq: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    completion_versions: _containers.RepeatedScalarFieldContainer[int]
+    agent_id: str
+    def __init__(self, call_seq: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., completion_versions: _Optional[_Iterable[int]] = ..., agent_id: _Optional[str] = ...) -> None: ...
+
+class ExportExecutionResponse(_message.Message):
+    __slots__ = ("execution_id", "task_id", "group_id", "calls")
+    EXECUTION_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    execution_id: str
+    task_id: str
+    group_id: str
+    calls: _containers.RepeatedCompositeFieldContainer[ExportedCall]
+    def __init__(self, execution_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[ExportedCall, _Mapping]]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("values",)
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.ScalarMap[str, float]
+    def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...

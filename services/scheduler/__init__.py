@@ -1,0 +1,1 @@
+"""The scheduler service (see docs/architecture.md)."""

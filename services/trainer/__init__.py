@@ -1,0 +1,1 @@
+"""The trainer service (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""The trajectory service (see docs/architecture.md)."""
