@@ -1,0 +1,138 @@
+"""The docker-compose file and the Kubernetes manifests say what the issue asks of them.
+
+Structure checks on the parsed compose file (no Docker needed) and offline schema validation of
+every Kubernetes manifest with kubernetes-validate (strict: unknown fields are errors).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("scheduler", "trajectory", "trainer", "rollout")
+GPU_SERVICES = {"trainer", "rollout"}
+K8S_DIR = ROOT / "deploy" / "k8s"
+K8S_VERSION = "1.30.0"
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def _k8s_docs() -> list[tuple[Path, dict[str, Any]]]:
+    docs = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [(path, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def test_compose_runs_nats_with_jetstream_and_postgres_with_pg_isready() -> None:
+    services = _compose()["services"]
+    assert "--jetstream" in services["nats"]["command"]
+    assert "healthz" in " ".join(services["nats"]["healthcheck"]["test"])
+    assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_every_compose_service_has_a_grpc_healthcheck_and_waits_for_healthy_dependencies(name: str) -> None:
+    service = _compose()["services"][name]
+    assert "gyre.launcher.healthcheck" in service["healthcheck"]["test"]
+    assert service["command"][:3] == ["python", "-m", f"services.{name}"]
+    depends = service["depends_on"]
+    assert {"nats", "postgres"} <= set(depends)
+    assert all(dep["condition"] == "service_healthy" for dep in depends.values())
+    env = service["environment"]
+    assert env["GYRE_NATS_URL"].startswith("nats://nats:")
+    assert env["GYRE_DATABASE_URL"].startswith("postgresql+psycopg://")
+
+
+def test_compose_starts_services_in_the_launcher_order() -> None:
+    services = _compose()["services"]
+    for i, name in enumerate(SERVICES):
+        assert set(SERVICES[:i]) <= set(services[name]["depends_on"]), name
+
+
+@pytest.mark.parametrize("name", [*SERVICES, "quickstart"])
+def test_gpu_reservations_exactly_where_the_service_runs_models(name: str) -> None:
+    service = _compose()["services"][name]
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    has_gpu = any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
+    assert has_gpu == (name in GPU_SERVICES | {"quickstart"})
+
+
+def test_quickstart_is_a_profile_that_runs_gyre_run_against_the_containers() -> None:
+    quickstart = _compose()["services"]["quickstart"]
+    assert quickstart["profiles"] == ["quickstart"]
+    assert quickstart["command"][:2] == ["gyre", "run"]
+    assert (ROOT / quickstart["command"][2]).is_file() or quickstart["command"][2].startswith("examples/")
+    assert all(dep["condition"] == "service_healthy" for dep in quickstart["depends_on"].values())
+
+
+def test_cpu_override_resets_every_gpu_reservation() -> None:
+    class ResetLoader(yaml.SafeLoader):
+        pass
+
+    ResetLoader.add_constructor("!reset", lambda loader, node: "RESET")
+    override = yaml.load((ROOT / "deploy" / "compose.cpu.yml").read_text(), Loader=ResetLoader)
+    with_gpu = {n for n, s in _compose()["services"].items() if "deploy" in s}
+    assert {n for n, s in override["services"].items() if s.get("deploy") == "RESET"} == with_gpu
+
+
+def test_every_path_the_dockerfile_copies_exists() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    sources = [src for line in re.findall(r"^COPY (.+)$", text, re.M) for src in line.split()[:-1]]
+    assert sources
+    missing = [s for s in sources if not (ROOT / s).exists()]
+    assert not missing, f"Dockerfile copies paths that do not exist: {missing}"
+
+
+def test_every_kubernetes_manifest_is_valid_against_the_schema() -> None:
+    docs = _k8s_docs()
+    assert len(docs) >= 12
+    for path, doc in docs:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']}: {exc.message}")
+
+
+def test_kustomization_lists_every_manifest_file() -> None:
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    files = {p.name for p in K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_each_service_has_a_deployment_and_service_with_grpc_probes(name: str) -> None:
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
+    deployment = by_kind[("Deployment", name)]
+    service = by_kind[("Service", name)]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == grpc_port
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["GYRE_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "gyre-database"
+    assert env["GYRE_NATS_URL"]["value"].startswith("nats://")
+    gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu", 0)
+    assert (gpus > 0) == (name in GPU_SERVICES)
+
+
+def test_nats_is_a_jetstream_cluster_of_three_behind_a_headless_service() -> None:
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
+    statefulset = by_kind[("StatefulSet", "nats")]
+    assert statefulset["spec"]["replicas"] == 3
+    headless = by_kind[("Service", statefulset["spec"]["serviceName"])]
+    assert headless["spec"]["clusterIP"] == "None"
+    conf = by_kind[("ConfigMap", "nats-config")]["data"]["nats.conf"]
+    assert "jetstream" in conf
+    assert len(re.findall(r"nats://nats-\d\.nats-headless", conf)) == 3
