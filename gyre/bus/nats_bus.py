@@ -1,0 +1,474 @@
+"""Typed protobuf events over NATS JetStream: publish, batched async publish, durable consumers, tail.
+
+Guarantees (see gyre/bus/subjects.py for each stream):
+
+* ``Bus.publish`` returns once the stream stored the message (or recognised its ``msg_id`` as a
+  duplicate within the dedup window). Retrying with the same ``msg_id`` is always safe.
+* ``Publisher`` keeps at most ``max_pending`` un-acked messages in flight; ``publish`` waits when
+  the window is full (back-pressure). ``flush()`` returns when every message was stored and raises
+  ``Unavailable`` if any was not; republish those with the same ``msg_id``.
+* ``Consumer`` (durable pull consumer, explicit ack): a batch is acked after the handler returned,
+  nak'ed with a growing delay when it raised (redelivered, so handlers must be idempotent), and a
+  message that does not decode is terminated (never redelivered), logged and counted. While the
+  handler runs, the batch's ack deadline is extended, so a slow handler does not cause redelivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from google.protobuf.message import DecodeError, Message
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from prometheus_client import Counter
+
+from gyre.bus import subjects
+from gyre.errors import InvalidArgument, PayloadTooLarge, Unavailable
+
+log = logging.getLogger("gyre.bus")
+
+M = TypeVar("M", bound=Message)
+Handler = Callable[[list[M]], Awaitable[None]]
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+# Bytes NATS adds for a header block "NATS/1.0\r\nNats-Msg-Id: <id>\r\n\r\n" besides the id itself.
+_HEADER_OVERHEAD = len("NATS/1.0\r\n") + len(MSG_ID_HEADER) + len(": \r\n") + len("\r\n")
+
+PUBLISHED = Counter("gyre_bus_published_total", "Messages stored by JetStream", ["stream"])
+PUBLISH_DUPLICATES = Counter(
+    "gyre_bus_publish_duplicates_total",
+    "Publishes dropped by the stream as duplicates of a msg_id",
+    ["stream"],
+)
+CONSUMED = Counter(
+    "gyre_bus_consumed_total",
+    "Messages a durable consumer finished, by outcome (ack, nak = redelivered later, term = undecodable)",
+    ["consumer", "outcome"],
+)
+
+
+def _stream_label(subject: str) -> str:
+    try:
+        return subjects.stream_for(subject).name
+    except InvalidArgument:
+        return "other"
+
+
+@dataclass
+class ConsumerStats:
+    """Counts of one consumer since it started (messages, not batches)."""
+
+    num_acked: int = 0
+    num_naked: int = 0
+    num_terminated: int = 0
+    num_handler_errors: int = 0
+
+
+class Consumer(Generic[M]):
+    """A running durable pull consumer; ``await stop()`` finishes the current batch and stops."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        sub: JetStreamContext.PullSubscription,
+        msg_type: type[M],
+        handler: Handler[M],
+        *,
+        durable: str,
+        batch_size: int,
+        ack_wait_s: float,
+        nak_delay_s: float,
+        max_nak_delay_s: float,
+    ) -> None:
+        self._bus = bus
+        self._sub = sub
+        self._msg_type = msg_type
+        self._handler = handler
+        self.durable = durable
+        self._batch_size = batch_size
+        self._ack_wait_s = ack_wait_s
+        self._nak_delay_s = nak_delay_s
+        self._max_nak_delay_s = max_nak_delay_s
+        self._stopping = asyncio.Event()
+        self.stats = ConsumerStats()
+        self.task: asyncio.Task[None] = asyncio.create_task(self._run(), name=f"consumer:{durable}")
+        self.task.add_done_callback(bus._on_consumer_done)
+
+    async def stop(self) -> None:
+        """Stop fetching, let the batch in hand finish (acked or nak'ed), unsubscribe. Idempotent."""
+        self._stopping.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+        self._bus._consumers.discard(self)
+
+    async def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                msgs = await self._sub.fetch(self._batch_size, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+                if self._stopping.is_set():
+                    return
+                log.warning("consumer %s: fetch failed (%s); retrying in 1 s", self.durable, exc)
+                await asyncio.sleep(1.0)
+                continue
+            if msgs:
+                await self._process(msgs)
+
+    async def _process(self, msgs: list[Msg]) -> None:
+        decoded: list[M] = []
+        good: list[Msg] = []
+        for msg in msgs:
+            try:
+                decoded.append(self._msg_type.FromString(msg.data))
+                good.append(msg)
+            except DecodeError as exc:
+                log.error(
+                    "consumer %s: terminated undecodable message on %s (%d bytes, expected %s): %s",
+                    self.durable,
+                    msg.subject,
+                    len(msg.data),
+                    self._msg_type.DESCRIPTOR.full_name,
+                    exc,
+                )
+                await msg.term()
+                self.stats.num_terminated += 1
+                CONSUMED.labels(self.durable, "term").inc()
+        if not good:
+            return
+        keepalive = asyncio.create_task(self._extend_deadline(good))
+        try:
+            await self._handler(decoded)
+        except Exception:
+            self.stats.num_handler_errors += 1
+            attempt = max(m.metadata.num_delivered for m in good)
+            delay = min(self._nak_delay_s * 2 ** (attempt - 1), self._max_nak_delay_s)
+            log.exception(
+                "consumer %s: handler failed on a batch of %d (delivery %d); redelivering in %.2f s",
+                self.durable,
+                len(good),
+                attempt,
+                delay,
+            )
+            for msg in good:
+                await msg.nak(delay=delay)
+            self.stats.num_naked += len(good)
+            CONSUMED.labels(self.durable, "nak").inc(len(good))
+            return
+        finally:
+            keepalive.cancel()
+        for msg in good:
+            await msg.ack()
+        self.stats.num_acked += len(good)
+        CONSUMED.labels(self.durable, "ack").inc(len(good))
+
+    async def _extend_deadline(self, msgs: list[Msg]) -> None:
+        while True:
+            await asyncio.sleep(self._ack_wait_s / 3)
+            for msg in msgs:
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+
+
+class Publisher:
+    """Batched asynchronous publish with a bounded window of un-acked messages (back-pressure).
+
+    Errors of earlier messages surface at the next ``publish`` or at ``flush``.
+    """
+
+    def __init__(self, bus: Bus, max_pending: int, stall_timeout_s: float) -> None:
+        if max_pending < 1:
+            raise InvalidArgument(f"max_pending must be >= 1, got {max_pending}")
+        self._bus = bus
+        self._js = bus.nc.jetstream(publish_async_max_pending=max_pending)
+        self._stall_timeout_s = stall_timeout_s
+        self._pending: set[asyncio.Future[api.PubAck]] = set()
+        self._num_failed = 0
+        self._first_error: BaseException | None = None
+        self.num_published = 0
+
+    @property
+    def num_pending(self) -> int:
+        """Messages sent but not yet acknowledged by the stream."""
+        return len(self._pending)
+
+    async def publish(self, subject: str, msg: Message, *, msg_id: str | None = None) -> None:
+        """Send `msg`; waits only while `max_pending` messages are un-acked."""
+        self._raise_failures()
+        data, headers = self._bus._encode(subject, msg, msg_id)
+        try:
+            fut = await self._js.publish_async(
+                subject, data, wait_stall=self._stall_timeout_s, headers=headers
+            )
+        except nats.js.errors.TooManyStalledMsgsError:
+            raise Unavailable(
+                f"{self.num_pending} publishes un-acknowledged for {self._stall_timeout_s} s; "
+                "is NATS reachable and the stream declared (Bus.ensure_streams)?"
+            ) from None
+        self._pending.add(fut)
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: asyncio.Future[api.PubAck]) -> None:
+        self._pending.discard(fut)
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._num_failed += 1
+            self._first_error = self._first_error or exc
+            return
+        self.num_published += 1
+        ack = fut.result()
+        PUBLISHED.labels(ack.stream).inc()
+        if ack.duplicate:
+            PUBLISH_DUPLICATES.labels(ack.stream).inc()
+
+    def _raise_failures(self) -> None:
+        if self._num_failed:
+            n, err = self._num_failed, self._first_error
+            self._num_failed, self._first_error = 0, None
+            raise Unavailable(
+                f"{n} async publishes failed (first error: {err!r}); republish them with the same msg_id"
+            )
+
+    async def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every message sent so far is stored; Unavailable if one failed or timed out."""
+        pending = list(self._pending)
+        if pending:
+            done, not_done = await asyncio.wait(pending, timeout=timeout_s)
+            for fut in not_done:
+                fut.cancel()
+            if not_done:
+                raise Unavailable(
+                    f"{len(not_done)} publishes not acknowledged within {timeout_s} s; "
+                    "republish them with the same msg_id (dedup makes it harmless)"
+                )
+        self._raise_failures()
+
+
+class Bus:
+    """A NATS connection with JetStream, typed for Gyre's protobuf events."""
+
+    def __init__(self, nc: NatsClient, name: str) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.name = name
+        self._consumers: set[Consumer[Any]] = set()
+        # Called with the exception when a consumer's task dies unexpectedly (gyre.service sets it).
+        self.on_consumer_failure: Callable[[BaseException], None] | None = None
+
+    @classmethod
+    async def connect(cls, url: str, *, name: str, connect_timeout_s: float = 5.0) -> Bus:
+        """Connect to NATS at `url` (reconnects forever once connected); Unavailable if unreachable."""
+
+        async def _error(exc: Exception) -> None:
+            log.warning("nats (%s): %s", name, exc)
+
+        async def _disconnected() -> None:
+            log.warning("nats (%s): disconnected from %s", name, url)
+
+        async def _reconnected() -> None:
+            log.info("nats (%s): reconnected", name)
+
+        try:
+            nc = await nats.connect(
+                url,
+                name=f"gyre-{name}",
+                connect_timeout=connect_timeout_s,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                allow_reconnect=True,
+                error_cb=_error,
+                disconnected_cb=_disconnected,
+                reconnected_cb=_reconnected,
+            )
+        except (OSError, nats.errors.Error) as exc:
+            raise Unavailable(f"cannot connect to NATS at {url}: {exc!r}; is nats-server running?") from exc
+        return cls(nc, name)
+
+    @property
+    def max_payload(self) -> int:
+        """Largest message (payload + headers) the server accepts, in bytes."""
+        return int(self.nc.max_payload)
+
+    async def ensure_streams(self) -> None:
+        """Create every stream of gyre.bus.subjects.STREAMS, or update it to the declared config."""
+        for spec in subjects.STREAMS:
+            config = api.StreamConfig(
+                name=spec.name,
+                description=spec.description,
+                subjects=list(spec.subjects),
+                retention=api.RetentionPolicy.LIMITS,
+                storage=api.StorageType.FILE,
+                max_age=spec.max_age_s,
+                max_bytes=spec.max_bytes,
+                duplicate_window=subjects.DUPLICATE_WINDOW_S,
+                discard=api.DiscardPolicy.OLD,
+            )
+            try:
+                await self.js.add_stream(config)
+            except nats.js.errors.BadRequestError:
+                await self.js.update_stream(config)
+
+    def _encode(self, subject: str, msg: Message, msg_id: str | None) -> tuple[bytes, dict[str, str] | None]:
+        data = msg.SerializeToString()
+        headers = {MSG_ID_HEADER: msg_id} if msg_id else None
+        size = len(data) + (len(msg_id) + _HEADER_OVERHEAD if msg_id else 0)
+        if size > self.max_payload:
+            raise PayloadTooLarge(
+                f"{type(msg).__name__} on {subject} is {size} bytes, over the NATS server's max_payload of "
+                f"{self.max_payload} bytes; send bulk data over gRPC (or raise max_payload in the server config)"
+            )
+        return data, headers
+
+    async def publish(
+        self, subject: str, msg: Message, *, msg_id: str | None = None, timeout_s: float = 10.0
+    ) -> api.PubAck:
+        """Store `msg` on its stream and wait for the ack. `msg_id` is the dedup key (pass event_id);
+        None only where duplicates are harmless. Unavailable if the stream does not answer in time."""
+        data, headers = self._encode(subject, msg, msg_id)
+        try:
+            ack = await self.js.publish(subject, data, timeout=timeout_s, headers=headers)
+        except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
+            raise Unavailable(
+                f"no ack from JetStream for {subject} within {timeout_s} s ({exc!r}); retry with the same "
+                "msg_id; if it persists, check that the streams exist (Bus.ensure_streams)"
+            ) from exc
+        PUBLISHED.labels(ack.stream).inc()
+        if ack.duplicate:
+            PUBLISH_DUPLICATES.labels(ack.stream).inc()
+        return ack
+
+    def publisher(self, max_pending: int = 10_000, *, stall_timeout_s: float = 30.0) -> Publisher:
+        """A batched async publisher holding at most `max_pending` un-acked messages."""
+        return Publisher(self, max_pending, stall_timeout_s)
+
+    async def consume(
+        self,
+        subject_filter: str,
+        msg_type: type[M],
+        handler: Handler[M],
+        *,
+        durable: str,
+        batch_size: int = 512,
+        ack_wait_s: float = 30.0,
+        nak_delay_s: float = 0.5,
+        max_nak_delay_s: float = 30.0,
+        deliver_new: bool = False,
+    ) -> Consumer[M]:
+        """Start a durable pull consumer named `durable` on `subject_filter` (see the module docstring).
+
+        The consumer's position survives restarts (same `durable`). `deliver_new` only matters when
+        the durable is first created: start at new messages instead of the stream's beginning.
+        A redelivered batch waits `nak_delay_s * 2**(attempt-1)` seconds, at most `max_nak_delay_s`.
+        """
+        if batch_size < 1:
+            raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
+        spec = subjects.stream_for(subject_filter)
+        config = api.ConsumerConfig(
+            name=durable,
+            durable_name=durable,
+            filter_subject=subject_filter,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_deliver=-1,
+            max_ack_pending=max(1000, 4 * batch_size),
+            max_waiting=64,
+            deliver_policy=api.DeliverPolicy.NEW if deliver_new else api.DeliverPolicy.ALL,
+        )
+        try:
+            await self.js.add_consumer(spec.name, config)
+        except nats.js.errors.NotFoundError as exc:
+            raise Unavailable(
+                f"stream {spec.name} does not exist; call Bus.ensure_streams() before consuming"
+            ) from exc
+        sub = await self.js.pull_subscribe_bind(durable=durable, stream=spec.name)
+        consumer: Consumer[M] = Consumer(
+            self,
+            sub,
+            msg_type,
+            handler,
+            durable=durable,
+            batch_size=batch_size,
+            ack_wait_s=ack_wait_s,
+            nak_delay_s=nak_delay_s,
+            max_nak_delay_s=max_nak_delay_s,
+        )
+        self._consumers.add(consumer)
+        return consumer
+
+    def _on_consumer_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        assert exc is not None
+        log.error("consumer task %s died: %r", task.get_name(), exc, exc_info=exc)
+        if self.on_consumer_failure is not None:
+            self.on_consumer_failure(exc)
+
+    async def tail(
+        self, subject_filter: str, msg_type: type[M], *, from_start: bool = False
+    ) -> AsyncIterator[M]:
+        """Yield decoded messages on `subject_filter` as they arrive (ephemeral ordered consumer,
+        nothing acked or kept); `from_start` replays the stream first. Undecodable ones are skipped."""
+        async for subject, data in self.tail_raw(subject_filter, from_start=from_start):
+            try:
+                yield msg_type.FromString(data)
+            except DecodeError:
+                log.warning("tail: skipped undecodable message on %s (%d bytes)", subject, len(data))
+
+    async def tail_raw(
+        self, subject_filter: str, *, from_start: bool = False
+    ) -> AsyncIterator[tuple[str, bytes]]:
+        """Yield (subject, payload) on `subject_filter`; decode with subjects.event_type_for(subject).
+
+        A filter inside one stream uses an ordered JetStream consumer; a wider one (``gyre.>``) a plain
+        NATS subscription, which sees new messages only."""
+        try:
+            spec: subjects.StreamSpec | None = subjects.stream_for(subject_filter)
+        except InvalidArgument:
+            if from_start:
+                raise
+            spec = None
+        sub: Any
+        if spec is not None:
+            sub = await self.js.subscribe(
+                subject_filter,
+                stream=spec.name,
+                ordered_consumer=True,
+                deliver_policy=api.DeliverPolicy.ALL if from_start else api.DeliverPolicy.NEW,
+            )
+        else:
+            sub = await self.nc.subscribe(subject_filter)
+        try:
+            async for msg in sub.messages:
+                yield msg.subject, msg.data
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every consumer (finishing their batches), then drain and close the connection."""
+        await asyncio.gather(*(c.stop() for c in list(self._consumers)), return_exceptions=True)
+        if self.nc.is_closed:
+            return
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout=timeout_s)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("nats drain did not finish after %.1f s (%r); closing", time.monotonic() - start, exc)
+        if not self.nc.is_closed:
+            await self.nc.close()
