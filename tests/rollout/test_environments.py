@@ -1,0 +1,142 @@
+"""Environments. The workspace tests drive the environment with a SCRIPTED agent (a fake standing in
+for the model at the outermost edge): it emits fixed tool calls, no LLM involved."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gyre import tokenizer as tok
+from services.rollout.environments import Action
+from services.rollout.environments.longhorizon import (
+    LongHorizonFamily,
+    LongHorizonSpec,
+    correct_action,
+)
+from services.rollout.environments.sandbox import SandboxViolation, Workspace
+from services.rollout.environments.workspace import WorkspaceFamily
+
+TASKS = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "workspace.jsonl"
+
+
+def tool_action(*calls: tuple[str, dict]) -> Action:
+    """A scripted completion: one <tool_call> per (name, arguments)."""
+    ids: list[int] = []
+    for name, args in calls:
+        payload = json.dumps({"name": name, "arguments": json.dumps(args)})
+        ids += [tok.TOOL_CALL_OPEN, *tok.encode(payload), tok.TOOL_CALL_CLOSE]
+    return Action.from_ids([*ids, tok.EOS])
+
+
+async def test_longhorizon_perfect_policy_finishes_with_reward_one() -> None:
+    spec = LongHorizonSpec(max_turns=50)
+    env = LongHorizonFamily(spec).make("lh-00007")
+    msgs = await env.reset()
+    while True:
+        cue = ord(msgs[-1]["content"]) - ord("A")
+        res = await env.step(Action.from_ids([correct_action(cue, spec.num_actions)]))
+        if res.done or res.truncated:
+            break
+        msgs = res.messages
+    assert res.done and res.reward == 1.0 and res.progress.milestones_reached == res.progress.milestones_total
+
+
+async def test_longhorizon_wrong_policy_is_truncated_with_partial_progress() -> None:
+    spec = LongHorizonSpec(max_turns=50, min_turns=20)
+    env = LongHorizonFamily(spec).make("lh-00001")
+    msgs = await env.reset()
+    n = 0
+    while True:
+        cue = ord(msgs[-1]["content"]) - ord("A")
+        right = correct_action(cue, spec.num_actions)
+        action = right if n % 2 == 0 else (right + 1) % spec.num_actions  # every other action wrong
+        res = await env.step(Action.from_ids([action]))
+        n += 1
+        if res.done or res.truncated:
+            break
+        msgs = res.messages
+    assert res.truncated and 0 < res.progress.score() < 1
+
+
+def test_longhorizon_horizons_are_heavy_tailed_and_seeded() -> None:
+    fam = LongHorizonFamily(LongHorizonSpec(min_turns=3, max_turns=400))
+    horizons = [fam.task(t).horizon for t in fam.task_ids(400)]
+    assert horizons == [fam.task(t).horizon for t in fam.task_ids(400)]
+    assert sorted(horizons)[len(horizons) // 2] < 10 and max(horizons) > 100
+
+
+@pytest.mark.parametrize("task_id", ["ws-textstats", "ws-roman", "ws-stack"])
+async def test_workspace_scores_scripted_full_solution_one(task_id: str) -> None:
+    fam = WorkspaceFamily.from_jsonl(TASKS)
+    env = fam.make(task_id)
+    await env.reset()
+    try:
+        assert env.progress.tests_passed_fraction == 0.0
+        writes = [("write_file", {"path": p, "content": c}) for p, c in fam.tasks[task_id].solution.items()]
+        res = await env.step(tool_action(*writes, ("submit", {})))
+        assert res.done and res.reward == 1.0
+    finally:
+        await env.close()
+
+
+async def test_workspace_scores_half_solution_strictly_between_zero_and_one() -> None:
+    env = WorkspaceFamily.from_jsonl(TASKS).make("ws-roman")
+    await env.reset()
+    try:
+        half = "def to_roman(n):\n    return {4: 'IV', 1994: 'MCMXCIV'}[n]\n\n\ndef from_roman(s):\n    return 0\n"
+        res = await env.step(tool_action(("write_file", {"path": "roman.py", "content": half})))
+        assert not res.done and res.progress.tests_passed_fraction == 0.5
+    finally:
+        await env.close()
+
+
+async def test_workspace_agent_cannot_write_outside_its_workspace(tmp_path: Path) -> None:
+    env = WorkspaceFamily.from_jsonl(TASKS).make("ws-textstats")
+    await env.reset()
+    assert env.ws is not None
+    outside = tmp_path / "escaped.txt"
+    try:
+        os.symlink(tmp_path, env.ws.root / "link")
+        res = await env.step(
+            tool_action(
+                ("write_file", {"path": str(outside), "content": "x"}),
+                ("write_file", {"path": "../../" + str(outside), "content": "x"}),
+                ("write_file", {"path": "link/escaped.txt", "content": "x"}),
+                ("read_file", {"path": "../../../../etc/hostname"}),
+            )
+        )
+        assert not outside.exists()
+        assert all(m["content"].startswith("error:") for m in res.messages)
+    finally:
+        await env.close()
+
+
+def test_workspace_paths_that_stay_inside_are_allowed_and_final_symlinks_are_not_followed(
+    tmp_path: Path,
+) -> None:
+    ws = Workspace()
+    try:
+        ws.write_file("a/b/../c.txt", "ok")
+        assert ws.read_file("a/c.txt") == "ok"
+        os.symlink(tmp_path / "target", ws.root / "dangling")
+        with pytest.raises(SandboxViolation):
+            ws.write_file("dangling", "x")
+        assert not (tmp_path / "target").exists()
+    finally:
+        ws.close()
+
+
+async def test_workspace_command_is_killed_at_its_timeout_and_has_no_network() -> None:
+    from services.rollout.environments.sandbox import SandboxLimits, network_namespace_available
+
+    ws = Workspace(SandboxLimits(timeout_s=1.0))
+    try:
+        res = await ws.run_shell("sleep 30")
+        assert res.timed_out
+        if network_namespace_available():
+            probe = "import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)"
+            res = await ws.run(["python3", "-c", probe])
+            assert res.returncode != 0 and "unreachable" in res.output.lower()
+    finally:
+        ws.close()
