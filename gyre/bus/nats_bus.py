@@ -278,6 +278,8 @@ class Bus:
             log.warning("nats (%s): %s", name, exc)
 
         async def _disconnected() -> None:
+            if nc.is_closed or nc.is_draining:
+                return
             log.warning("nats (%s): disconnected from %s", name, url)
 
         async def _reconnected() -> None:

