@@ -1,0 +1,424 @@
+"""Numbers a run report shows, computed from event log records alone (pure functions, no I/O).
+
+Time axis: a *trainer step* s is the span from the publication of weight version s to that of
+version s+1 (step 0 starts at the first event of the run). Every event is placed in the step
+during which it happened (its `created_unix_s`, else the time it was received).
+
+Reward: one sample per scored group (`GroupScoredEvent.reward_mean`, which includes partial
+progress of unfinished executions); when a run has no scored groups, one sample per ended
+execution (its final reward, else milestones reached / milestones total).
+
+Learning verdict (the rule): with N trainer steps, the first (last) 20% of steps are the first
+(last) k = max(1, round(0.2 * (N + 1))) of the steps 0..N. `reward_first20` and `reward_last20`
+are the mean reward of the samples in those steps, each with a 95% percentile-bootstrap interval.
+The run **learned** iff the 95% bootstrap interval of the difference `last20 - first20` lies
+entirely above 0 — the improvement is larger than the sampling noise of both windows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+ROLES = ("rollout", "train", "switching", "idle")
+_ROLE_NAMES = {"DEVICE_ROLE_ROLLOUT": "rollout", "DEVICE_ROLE_TRAIN": "train", "DEVICE_ROLE_IDLE": "idle"}
+_TERMINAL_KINDS = {"KIND_FINISHED", "KIND_TRUNCATED", "KIND_FAILED"}
+CONFIDENCE = 0.95
+NUM_BOOTSTRAP = 5000
+LEARNED_RULE = (
+    "learned iff the 95% bootstrap interval of (reward_last20 - reward_first20) lies entirely above 0, "
+    "i.e. the last 20% of trainer steps beat the first 20% by more than the sampling noise of both"
+)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean with its 95% confidence interval over `n` samples (nan bounds when n < 2)."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+
+    def fmt(self, digits: int = 3) -> str:
+        return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}] (n={self.n})"
+
+
+@dataclass(frozen=True)
+class RewardVerdict:
+    first20: Interval
+    last20: Interval
+    delta: Interval
+    learned: bool
+    first_steps: tuple[int, int]  # inclusive step range
+    last_steps: tuple[int, int]
+    rule: str = LEARNED_RULE
+
+
+@dataclass
+class StepRow:
+    """What happened during one trainer step (see the module docstring for the time axis)."""
+
+    step: int
+    start_s: float  # seconds since run start
+    end_s: float
+    reward_samples: list[float] = field(default_factory=list)
+    progress_samples: list[float] = field(default_factory=list)
+    num_groups: int = 0
+    num_paths: int = 0
+    num_exact_merged: int = 0
+    num_near_duplicates: int = 0
+    num_batches: int = 0
+    batch_tokens: int = 0
+    batch_flat_tokens: int = 0
+    trainer_metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def reward_mean(self) -> float:
+        return statistics.fmean(self.reward_samples) if self.reward_samples else math.nan
+
+    @property
+    def progress_mean(self) -> float:
+        return statistics.fmean(self.progress_samples) if self.progress_samples else math.nan
+
+    @property
+    def tree_token_ratio(self) -> float:
+        return self.batch_flat_tokens / self.batch_tokens if self.batch_tokens else math.nan
+
+
+@dataclass(frozen=True)
+class RoleSegment:
+    device_id: str
+    role: str  # one of ROLES
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class RunAnalysis:
+    run_id: str
+    policy: str
+    start_unix_s: float
+    duration_s: float
+    num_steps: int
+    steps: list[StepRow]
+    segments: list[RoleSegment]
+    device_time_s: dict[str, float]
+    num_reassignments: int
+    staleness_token_counts: dict[int, int]
+    num_untrained_tokens: int
+    batch_max_staleness: list[int]
+    execution_counts: dict[str, int]
+    num_llm_calls: int
+    num_completion_tokens: int
+    num_migrations: int
+    num_context_events: dict[str, int]
+    verdict: RewardVerdict | None
+    num_events: dict[str, int]
+
+    @property
+    def device_idle_fraction(self) -> float:
+        total = sum(self.device_time_s.values())
+        idle = self.device_time_s.get("idle", 0.0) + self.device_time_s.get("switching", 0.0)
+        return idle / total if total > 0 else math.nan
+
+    @property
+    def time_per_step_s(self) -> float:
+        """Wall time of the run up to the last weight publication, divided by the number of steps."""
+        if self.num_steps == 0:
+            return math.nan
+        return self.steps[self.num_steps - 1].end_s / self.num_steps
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_completion_tokens / self.duration_s if self.duration_s > 0 else math.nan
+
+    @property
+    def tree_token_ratio(self) -> float:
+        tokens = sum(r.batch_tokens for r in self.steps)
+        flat = sum(r.batch_flat_tokens for r in self.steps)
+        return flat / tokens if tokens else math.nan
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+
+
+def bootstrap_mean(samples: list[float], *, seed: int = 0, num_resamples: int = NUM_BOOTSTRAP) -> Interval:
+    """Mean with a percentile-bootstrap 95% interval (deterministic for a given seed)."""
+    if not samples:
+        return Interval(math.nan, math.nan, math.nan, 0)
+    x = np.asarray(samples, dtype=np.float64)
+    if len(x) < 2:
+        return Interval(float(x.mean()), math.nan, math.nan, len(x))
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(num_resamples, len(x)))].mean(axis=1)
+    alpha = (1 - CONFIDENCE) / 2
+    return Interval(
+        float(x.mean()), float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha)), len(x)
+    )
+
+
+def bootstrap_difference(
+    first: list[float], last: list[float], *, seed: int = 0, num_resamples: int = NUM_BOOTSTRAP
+) -> Interval:
+    """mean(last) - mean(first) with a 95% bootstrap interval, the two samples resampled independently."""
+    if len(first) < 2 or len(last) < 2:
+        mean = statistics.fmean(last) - statistics.fmean(first) if first and last else math.nan
+        return Interval(mean, math.nan, math.nan, min(len(first), len(last)))
+    a = np.asarray(first, dtype=np.float64)
+    b = np.asarray(last, dtype=np.float64)
+    rng = np.random.default_rng(seed + 1)
+    da = a[rng.integers(0, len(a), size=(num_resamples, len(a)))].mean(axis=1)
+    db = b[rng.integers(0, len(b), size=(num_resamples, len(b)))].mean(axis=1)
+    diff = db - da
+    alpha = (1 - CONFIDENCE) / 2
+    return Interval(
+        float(b.mean() - a.mean()),
+        float(np.quantile(diff, alpha)),
+        float(np.quantile(diff, 1 - alpha)),
+        min(len(a), len(b)),
+    )
+
+
+def window_steps(num_steps: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Inclusive step ranges of the first and last 20% of the steps 0..num_steps."""
+    total = num_steps + 1
+    k = max(1, round(0.2 * total))
+    return (0, k - 1), (total - k, num_steps)
+
+
+def reward_verdict(steps: list[StepRow], num_steps: int, *, seed: int = 0) -> RewardVerdict | None:
+    """reward_first20 / reward_last20 with intervals and the learning verdict; None without 2 steps."""
+    if num_steps < 1:
+        return None
+    (f0, f1), (l0, l1) = window_steps(num_steps)
+    first = [x for r in steps if f0 <= r.step <= f1 for x in r.reward_samples]
+    last = [x for r in steps if l0 <= r.step <= l1 for x in r.reward_samples]
+    delta = bootstrap_difference(first, last, seed=seed)
+    learned = not math.isnan(delta.low) and delta.low > 0
+    return RewardVerdict(
+        first20=bootstrap_mean(first, seed=seed),
+        last20=bootstrap_mean(last, seed=seed + 2),
+        delta=delta,
+        learned=learned,
+        first_steps=(f0, f1),
+        last_steps=(l0, l1),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers over records
+
+
+def _f(x: Any, default: float = 0.0) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return default
+
+
+def event_time(record: dict[str, Any]) -> float:
+    """When the event happened: its `created_unix_s` (or a nested weights/step time), else receipt time."""
+    ev = record["event"]
+    for key in ("created_unix_s", "finished_unix_s"):
+        if _f(ev.get(key)) > 0:
+            return _f(ev[key])
+    weights = ev.get("weights") or {}
+    if _f(weights.get("created_unix_s")) > 0:
+        return _f(weights["created_unix_s"])
+    return _f(record.get("recv_unix_s"))
+
+
+def progress_fraction(progress: dict[str, Any] | None) -> float | None:
+    """Partial progress in [0, 1] from a ProgressSignal dict: milestones first, else tests passing."""
+    if not progress:
+        return None
+    total = _f(progress.get("milestones_total"))
+    if total > 0:
+        return min(1.0, max(0.0, _f(progress.get("milestones_reached")) / total))
+    if "tests_passed_fraction" in progress:
+        return min(1.0, max(0.0, _f(progress["tests_passed_fraction"])))
+    return None
+
+
+def execution_score(ev: dict[str, Any]) -> float:
+    """An ended execution's score including partial progress: final reward, else progress, else 0."""
+    if "reward" in ev and ev.get("kind") == "KIND_FINISHED":
+        return _f(ev["reward"])
+    frac = progress_fraction(ev.get("progress"))
+    return frac if frac is not None else 0.0
+
+
+class _StepClock:
+    """Maps a time to the trainer step in progress then (see the module docstring)."""
+
+    def __init__(self, publish_times: dict[int, float]) -> None:
+        versions = sorted(v for v in publish_times if v > 0)
+        self.versions = versions
+        self.times = [publish_times[v] for v in versions]
+
+    def step_at(self, t: float) -> int:
+        i = bisect.bisect_right(self.times, t)
+        return self.versions[i - 1] if i > 0 else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the analysis
+
+
+def _role_of(lease: dict[str, Any]) -> str:
+    state = lease.get("state", "")
+    if state in ("LEASE_STATE_RELEASED", "LEASE_STATE_GRANTED"):
+        return "switching"
+    return _ROLE_NAMES.get(lease.get("role", ""), "idle")
+
+
+def _role_segments(leases: list[tuple[float, dict[str, Any]]], t0: float, t_end: float) -> list[RoleSegment]:
+    by_device: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    for t, ev in sorted(leases, key=lambda x: x[0]):
+        lease = ev.get("lease") or {}
+        device = lease.get("device_id")
+        if device:
+            by_device[str(device)].append((t - t0, _role_of(lease)))
+    segments: list[RoleSegment] = []
+    for device, changes in sorted(by_device.items()):
+        for i, (start, role) in enumerate(changes):
+            end = changes[i + 1][0] if i + 1 < len(changes) else t_end - t0
+            if end > start:
+                segments.append(RoleSegment(device, role, start, end))
+    return segments
+
+
+def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
+    """Everything the report shows, from event log records (any order)."""
+    if not records:
+        raise ValueError("the event log holds no events: did the run start? (expected run_dir/events.jsonl)")
+    by_type: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_type[r["type"]].append(r)
+    times = [event_time(r) for r in records]
+    t0, t_end = min(times), max(times)
+
+    run_ids = Counter(str(r["event"].get("run_id", "")) for r in records if r["event"].get("run_id"))
+    run_id = run_ids.most_common(1)[0][0] if run_ids else ""
+
+    publish_times: dict[int, float] = {}
+    metrics_by_version: dict[int, dict[str, float]] = {}
+    for r in by_type["WeightsPublishedEvent"]:
+        version = int(_f((r["event"].get("weights") or {}).get("version")))
+        t = event_time(r)
+        if version not in publish_times or t < publish_times[version]:
+            publish_times[version] = t
+        metrics_by_version[version] = {k: _f(v) for k, v in (r["event"].get("metrics") or {}).items()}
+    clock = _StepClock(publish_times)
+    num_steps = max((v for v in publish_times if v > 0), default=0)
+
+    steps = [StepRow(step=s, start_s=0.0, end_s=0.0) for s in range(num_steps + 1)]
+    for s, row in enumerate(steps):
+        row.start_s = (publish_times.get(s, t0) if s > 0 else t0) - t0
+        row.end_s = (publish_times[s + 1] if s + 1 in publish_times else t_end) - t0
+        # metrics of the optimizer step that produced version s+1 belong to step s
+        row.trainer_metrics = metrics_by_version.get(s + 1, {})
+
+    for r in by_type["GroupScoredEvent"]:
+        ev = r["event"]
+        row = steps[min(clock.step_at(event_time(r)), num_steps)]
+        row.reward_samples.append(_f(ev.get("reward_mean"), math.nan))
+        row.num_groups += 1
+        row.num_paths += int(_f(ev.get("num_paths")))
+        row.num_exact_merged += int(_f(ev.get("num_exact_merged")))
+        row.num_near_duplicates += int(_f(ev.get("num_near_duplicates")))
+    for row in steps:
+        row.reward_samples = [x for x in row.reward_samples if not math.isnan(x)]
+
+    execution_counts: Counter[str] = Counter()
+    ended_at: dict[str, float] = {}
+    have_groups = bool(by_type["GroupScoredEvent"])
+    for r in by_type["ExecutionEvent"]:
+        ev = r["event"]
+        kind = str(ev.get("kind", "KIND_UNSPECIFIED"))
+        execution_counts[kind.removeprefix("KIND_").lower()] += 1
+        if kind in _TERMINAL_KINDS:
+            t = event_time(r)
+            ended_at[str(ev.get("execution_id", ""))] = t
+            row = steps[min(clock.step_at(t), num_steps)]
+            frac = progress_fraction(ev.get("progress"))
+            row.progress_samples.append(frac if frac is not None else execution_score(ev))
+            if not have_groups:
+                row.reward_samples.append(execution_score(ev))
+
+    batch_times: list[float] = []
+    batch_versions: list[int] = []
+    batch_max_staleness: list[int] = []
+    for r in sorted(by_type["BatchReadyEvent"], key=event_time):
+        ev = r["event"]
+        t = event_time(r)
+        trainer_version = clock.step_at(t)
+        batch_times.append(t)
+        batch_versions.append(trainer_version)
+        if int(_f(ev.get("num_tokens"))) > 0:
+            batch_max_staleness.append(trainer_version - int(_f(ev.get("min_policy_version"))))
+        row = steps[min(trainer_version, num_steps)]
+        row.num_batches += 1
+        row.batch_tokens += int(_f(ev.get("num_tokens")))
+        row.batch_flat_tokens += int(_f(ev.get("num_flat_tokens")))
+
+    staleness: Counter[int] = Counter()
+    untrained = 0
+    num_calls = 0
+    num_completion_tokens = 0
+    num_migrations = 0
+    context_events: Counter[str] = Counter()
+    for r in by_type["StepEvent"]:
+        ev = r["event"]
+        num_calls += 1
+        num_completion_tokens += int(_f(ev.get("num_completion_tokens")))
+        num_migrations += int(_f(ev.get("num_migrations")))
+        if ev.get("context_event"):
+            context_events[str(ev["context_event"])] += 1
+        ready = ended_at.get(str(ev.get("execution_id", "")), event_time(r))
+        i = bisect.bisect_left(batch_times, ready)
+        for version_text, count in (ev.get("completion_version_counts") or {}).items():
+            if i < len(batch_times):
+                staleness[batch_versions[i] - int(version_text)] += int(count)
+            else:
+                untrained += int(count)
+
+    leases = [(event_time(r), r["event"]) for r in by_type["LeaseEvent"]]
+    segments = _role_segments(leases, t0, t_end)
+    device_time = {role: 0.0 for role in ROLES}
+    for seg in segments:
+        device_time[seg.role] += seg.end_s - seg.start_s
+    policies = Counter(
+        str(ev.get("policy")) for _, ev in leases if ev.get("policy") not in (None, "", "operator")
+    )
+    num_reassign = sum(1 for _, ev in leases if ev.get("kind") == "KIND_REASSIGN")
+
+    return RunAnalysis(
+        run_id=run_id,
+        policy=policies.most_common(1)[0][0] if policies else "",
+        start_unix_s=t0,
+        duration_s=t_end - t0,
+        num_steps=num_steps,
+        steps=steps,
+        segments=segments,
+        device_time_s=device_time,
+        num_reassignments=num_reassign,
+        staleness_token_counts=dict(sorted(staleness.items())),
+        num_untrained_tokens=untrained,
+        batch_max_staleness=batch_max_staleness,
+        execution_counts=dict(execution_counts),
+        num_llm_calls=num_calls,
+        num_completion_tokens=num_completion_tokens,
+        num_migrations=num_migrations,
+        num_context_events=dict(context_events),
+        verdict=reward_verdict(steps, num_steps, seed=seed),
+        num_events={k: len(v) for k, v in sorted(by_type.items())},
+    )

@@ -1,0 +1,197 @@
+"""PNG figures of a run report (matplotlib, Agg backend: no display needed).
+
+Each function takes a `RunAnalysis` and a path, writes one PNG and returns the path.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from gyre.job.analysis import ROLES, RunAnalysis
+
+ROLE_COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "switching": "#C44E52", "idle": "#BBBBBB"}
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_reward(a: RunAnalysis, path: Path) -> Path:
+    """Mean reward (incl. partial progress) and milestone progress per trainer step, with the 20% windows."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    xs = [r.step for r in a.steps if r.reward_samples]
+    ys = [r.reward_mean for r in a.steps if r.reward_samples]
+    errs = []
+    for r in a.steps:
+        if r.reward_samples:
+            n = len(r.reward_samples)
+            if n > 1:
+                mean = r.reward_mean
+                var = sum((x - mean) ** 2 for x in r.reward_samples) / (n - 1)
+                errs.append(1.96 * math.sqrt(var / n))
+            else:
+                errs.append(0.0)
+    ax.errorbar(
+        xs,
+        ys,
+        yerr=errs,
+        fmt="o-",
+        color="#4C72B0",
+        ms=4,
+        lw=1.2,
+        capsize=2,
+        label="reward (per group, 95% CI)",
+    )
+    px = [r.step for r in a.steps if r.progress_samples]
+    py = [r.progress_mean for r in a.steps if r.progress_samples]
+    if px:
+        ax.plot(px, py, "s--", color="#55A868", ms=3, lw=1, label="milestone progress (ended executions)")
+    v = a.verdict
+    if v is not None:
+        for (s0, s1), iv, color, name in (
+            (v.first_steps, v.first20, "#8172B2", "first 20%"),
+            (v.last_steps, v.last20, "#C44E52", "last 20%"),
+        ):
+            ax.axvspan(s0 - 0.4, s1 + 0.4, color=color, alpha=0.08)
+            if not math.isnan(iv.mean):
+                ax.hlines(iv.mean, s0 - 0.4, s1 + 0.4, color=color, lw=2, label=f"{name}: {iv.mean:.3f}")
+            if not math.isnan(iv.low):
+                ax.fill_between([s0 - 0.4, s1 + 0.4], iv.low, iv.high, color=color, alpha=0.2)
+    ax.set_xlabel("trainer step (weight version in use)")
+    ax.set_ylabel("reward incl. partial progress")
+    title = "Reward per trainer step"
+    if v is not None:
+        title += f" — {'learned' if v.learned else 'no significant improvement'} (Δ={v.delta.mean:+.3f})"
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_device_roles(a: RunAnalysis, path: Path) -> Path:
+    """Which device did rollout or training when (from lease events), with weight publications."""
+    plt = _pyplot()
+    devices = sorted({s.device_id for s in a.segments})
+    fig, ax = plt.subplots(figsize=(9, 0.5 * max(len(devices), 1) + 1.6))
+    for i, device in enumerate(devices):
+        for role in ROLES:
+            bars = [
+                (s.start_s, s.end_s - s.start_s)
+                for s in a.segments
+                if s.device_id == device and s.role == role
+            ]
+            if bars:
+                ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=ROLE_COLORS[role])
+    for r in a.steps[1:]:
+        ax.axvline(r.start_s, color="black", lw=0.5, alpha=0.3)
+    ax.set_yticks(range(len(devices)), devices)
+    ax.set_xlabel("seconds since run start (thin lines: new weight version)")
+    ax.set_title(f"Device roles — policy {a.policy or '?'}, {a.num_reassignments} reassignments")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=ROLE_COLORS[r]) for r in ROLES]
+    ax.legend(handles, ROLES, ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    ax.set_xlim(0, max(a.duration_s, 1e-6))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_tree_and_dedup(a: RunAnalysis, path: Path) -> Path:
+    """Tree-token ratio (flat / tree tokens of packed batches) and dedup counts per trainer step."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    xs = [r.step for r in a.steps if r.batch_tokens]
+    ax1.bar(xs, [r.tree_token_ratio for r in a.steps if r.batch_tokens], color="#4C72B0")
+    ax1.axhline(1.0, color="black", lw=0.8, ls=":")
+    ax1.set_xlabel("trainer step")
+    ax1.set_ylabel("flat tokens / tree tokens")
+    ax1.set_title(f"Tree-token ratio (run: {a.tree_token_ratio:.2f}x)")
+    steps = [r.step for r in a.steps]
+    exact = [r.num_exact_merged for r in a.steps]
+    near = [r.num_near_duplicates for r in a.steps]
+    ax2.bar(steps, exact, color="#DD8452", label="exact (merged)")
+    ax2.bar(steps, near, bottom=exact, color="#8172B2", label="near (down-weighted)")
+    ax2.set_xlabel("trainer step")
+    ax2.set_ylabel("duplicate paths")
+    ax2.set_title("Deduplicated paths per step")
+    ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_staleness(a: RunAnalysis, path: Path) -> Path:
+    """Histogram of trained tokens by staleness (trainer version at training - token's policy version)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    if a.staleness_token_counts:
+        xs = list(a.staleness_token_counts)
+        ax.bar(xs, list(a.staleness_token_counts.values()), color="#55A868")
+        ax.set_xticks(xs)
+    ax.set_xlabel("staleness (weight versions behind the trainer)")
+    ax.set_ylabel("generated tokens")
+    worst = max(a.batch_max_staleness, default=0)
+    ax.set_title(f"Token staleness at training (max per batch: {worst})")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_time_breakdown(a: RunAnalysis, path: Path) -> Path:
+    """Device-time by role, and the trainer's own timings (metrics named *_s) per step on average."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    total = sum(a.device_time_s.values()) or 1.0
+    left = 0.0
+    for role in ROLES:
+        share = a.device_time_s.get(role, 0.0) / total
+        ax1.barh([0], [share], left=left, color=ROLE_COLORS[role], label=f"{role} {share:.0%}")
+        left += share
+    ax1.set_xlim(0, 1)
+    ax1.set_yticks([])
+    ax1.set_xlabel("share of device-seconds")
+    ax1.set_title("Device time by role")
+    ax1.legend(fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    timings: dict[str, list[float]] = {}
+    for r in a.steps:
+        for k, v in r.trainer_metrics.items():
+            if k.endswith("_s") and math.isfinite(v):
+                timings.setdefault(k, []).append(v)
+    if timings:
+        names = sorted(timings)
+        ax2.barh(names, [sum(timings[n]) / len(timings[n]) for n in names], color="#DD8452")
+        ax2.set_xlabel("seconds per trainer step (mean)")
+    else:
+        ax2.text(0.5, 0.5, "no trainer timings (*_s metrics)", ha="center", va="center")
+    ax2.set_title(f"Trainer step: {a.time_per_step_s:.1f} s wall per step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_all(a: RunAnalysis, out_dir: Path) -> dict[str, Path]:
+    """Every figure of the report, named by what it shows."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        "reward": plot_reward(a, out_dir / "reward.png"),
+        "device_roles": plot_device_roles(a, out_dir / "device_roles.png"),
+        "tree_dedup": plot_tree_and_dedup(a, out_dir / "tree_dedup.png"),
+        "staleness": plot_staleness(a, out_dir / "staleness.png"),
+        "time_breakdown": plot_time_breakdown(a, out_dir / "time_breakdown.png"),
+    }

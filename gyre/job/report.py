@@ -1,0 +1,219 @@
+"""The run report: `run_dir/report.md`, `run_dir/summary.json` and PNG plots, from `events.jsonl` alone.
+
+It depends on nothing but the event log (see `gyre.job.eventlog`), so a report can be rebuilt
+for any run directory, long after the services are gone:
+
+    python -m gyre.job.report runs/quickstart
+
+`summary.json` holds the headline numbers in machine-readable form (`gyre compare` reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gyre.job import plots
+from gyre.job.analysis import LEARNED_RULE, Interval, RunAnalysis, analyse
+from gyre.job.eventlog import EVENT_LOG_NAME, read_events
+
+REPORT_NAME = "report.md"
+SUMMARY_NAME = "summary.json"
+
+
+@dataclass(frozen=True)
+class Report:
+    analysis: RunAnalysis
+    report_path: Path
+    summary_path: Path
+    plot_paths: dict[str, Path]
+    summary: dict[str, Any]
+
+
+def _num(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
+
+
+def _interval_json(iv: Interval) -> dict[str, Any]:
+    return {"mean": _num(iv.mean), "low": _num(iv.low), "high": _num(iv.high), "n": iv.n}
+
+
+def summary_of(a: RunAnalysis, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Headline numbers of a run (JSON-ready: non-finite numbers become null)."""
+    out: dict[str, Any] = {
+        "run_id": a.run_id,
+        "policy": a.policy,
+        "num_steps": a.num_steps,
+        "duration_s": _num(a.duration_s),
+        "time_per_step_s": _num(a.time_per_step_s),
+        "device_idle_fraction": _num(a.device_idle_fraction),
+        "device_time_s": a.device_time_s,
+        "num_devices": len({s.device_id for s in a.segments}),
+        "num_reassignments": a.num_reassignments,
+        "tokens_per_s": _num(a.tokens_per_s),
+        "num_llm_calls": a.num_llm_calls,
+        "num_completion_tokens": a.num_completion_tokens,
+        "num_migrations": a.num_migrations,
+        "tree_token_ratio": _num(a.tree_token_ratio),
+        "num_exact_merged": sum(r.num_exact_merged for r in a.steps),
+        "num_near_duplicates": sum(r.num_near_duplicates for r in a.steps),
+        "max_batch_staleness": max(a.batch_max_staleness, default=None),
+        "executions": a.execution_counts,
+        "context_events": a.num_context_events,
+        "num_events": a.num_events,
+        "reward_curve": [_num(r.reward_mean) for r in a.steps],
+    }
+    v = a.verdict
+    if v is not None:
+        out.update(
+            reward_first20=_interval_json(v.first20),
+            reward_last20=_interval_json(v.last20),
+            reward_delta=_interval_json(v.delta),
+            learned=v.learned,
+            first20_steps=list(v.first_steps),
+            last20_steps=list(v.last_steps),
+        )
+    else:
+        out.update(reward_first20=None, reward_last20=None, reward_delta=None, learned=False)
+    out["learned_rule"] = LEARNED_RULE
+    if extra:
+        out.update(extra)
+    return out
+
+
+def headline(a: RunAnalysis) -> list[str]:
+    """The lines `gyre run` prints at the end (and report.md repeats)."""
+    v = a.verdict
+    if v is None:
+        return ["reward_first20: n/a (no trainer step completed)", "reward_last20: n/a", "learned: no"]
+    return [
+        f"reward_first20: {v.first20.fmt()}  (steps {v.first_steps[0]}-{v.first_steps[1]}, 95% bootstrap CI)",
+        f"reward_last20:  {v.last20.fmt()}  (steps {v.last_steps[0]}-{v.last_steps[1]}, 95% bootstrap CI)",
+        f"improvement:    {v.delta.fmt()}  -> learned: {'yes' if v.learned else 'no'}",
+    ]
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def render_markdown(a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path) -> str:
+    """report.md text."""
+    rel = {
+        k: p.relative_to(run_dir).as_posix() if p.is_relative_to(run_dir) else str(p)
+        for k, p in plot_paths.items()
+    }
+    lines = [f"# Gyre run report: `{a.run_id or run_dir.name}`", ""]
+    lines += [
+        f"Policy **{a.policy or 'unknown'}**, {a.num_steps} trainer steps in {_fmt(a.duration_s, 1)} s "
+        f"({_fmt(a.time_per_step_s, 1)} s per step), {len({s.device_id for s in a.segments})} devices, "
+        f"{a.num_reassignments} device reassignments.",
+        "",
+        "## Did it learn?",
+        "",
+        "```",
+        *headline(a),
+        "```",
+        "",
+        f"Rule: {LEARNED_RULE}. Samples are scored groups (mean reward of a group, including partial "
+        "progress of unfinished executions) placed in the trainer step during which they were scored; "
+        "intervals are 95% percentile-bootstrap intervals (5000 resamples, fixed seed).",
+        "",
+        f"![reward]({rel['reward']})",
+        "",
+        "| step | groups | reward | progress | tree ratio | exact dups | near dups | batches |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in a.steps:
+        lines.append(
+            f"| {r.step} | {r.num_groups} | {_fmt(r.reward_mean, 3)} | {_fmt(r.progress_mean, 3)} | "
+            f"{_fmt(r.tree_token_ratio)} | {r.num_exact_merged} | {r.num_near_duplicates} | {r.num_batches} |"
+        )
+    total_dev = sum(a.device_time_s.values()) or 1.0
+    lines += [
+        "",
+        "## Devices",
+        "",
+        f"![device roles]({rel['device_roles']})",
+        "",
+        "| role | device-seconds | share |",
+        "|---|---:|---:|",
+        *[f"| {role} | {sec:.1f} | {sec / total_dev:.0%} |" for role, sec in a.device_time_s.items()],
+        "",
+        f"Device idle fraction (idle + switching): **{_fmt(a.device_idle_fraction, 3)}**.",
+        "",
+        "## Trajectories: trees and dedup",
+        "",
+        f"![tree and dedup]({rel['tree_dedup']})",
+        "",
+        f"- LLM calls: {a.num_llm_calls}; generated tokens: {a.num_completion_tokens} "
+        f"({_fmt(a.tokens_per_s, 1)} tokens/s); live migrations: {a.num_migrations}",
+        f"- context events (non-prefix histories): {a.num_context_events or 'none'}",
+        f"- tree-token ratio over all batches (flat tokens / tree tokens): {_fmt(a.tree_token_ratio)}x",
+        f"- exact duplicates merged: {sum(r.num_exact_merged for r in a.steps)}; "
+        f"near duplicates down-weighted: {sum(r.num_near_duplicates for r in a.steps)}",
+        f"- executions: {a.execution_counts or 'none'}",
+        "",
+        "## Staleness",
+        "",
+        f"![staleness]({rel['staleness']})",
+        "",
+        "Staleness of a generated token = the trainer's weight version when the first batch after its "
+        "execution ended was announced, minus the version that generated the token (an estimate: the "
+        "event stream does not say which batch holds which token). Per batch, the exact bound "
+        "(trainer version - oldest policy version in the batch) peaked at "
+        f"{max(a.batch_max_staleness, default=0)}. Tokens never trained before the run stopped: "
+        f"{a.num_untrained_tokens}.",
+        "",
+        "## Time breakdown",
+        "",
+        f"![time breakdown]({rel['time_breakdown']})",
+        "",
+    ]
+    metric_names = sorted({k for r in a.steps for k in r.trainer_metrics})
+    if metric_names:
+        lines += ["Trainer metrics (mean over steps):", "", "| metric | mean |", "|---|---:|"]
+        for name in metric_names:
+            vals = [r.trainer_metrics[name] for r in a.steps if name in r.trainer_metrics]
+            lines.append(f"| {name} | {_fmt(sum(vals) / len(vals), 4)} |")
+        lines.append("")
+    lines += ["Events recorded: " + ", ".join(f"{k} {n}" for k, n in a.num_events.items()), ""]
+    return "\n".join(lines)
+
+
+def build_report(run_dir: Path, *, extra: dict[str, Any] | None = None, seed: int = 0) -> Report:
+    """Read `run_dir/events.jsonl`, write report.md, summary.json and plots/*.png; return them."""
+    events_path = run_dir / EVENT_LOG_NAME
+    if not events_path.is_file():
+        raise FileNotFoundError(f"{events_path} does not exist: pass the run directory of a `gyre run`")
+    analysis = analyse(read_events(events_path), seed=seed)
+    plot_paths = plots.write_all(analysis, run_dir / "plots")
+    report_path = run_dir / REPORT_NAME
+    report_path.write_text(render_markdown(analysis, plot_paths, run_dir), encoding="utf-8")
+    summary = summary_of(analysis, extra)
+    summary_path = run_dir / SUMMARY_NAME
+    summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return Report(analysis, report_path, summary_path, plot_paths, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gyre.job.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="run directory holding events.jsonl")
+    args = parser.parse_args(argv)
+    try:
+        report = build_report(args.run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(headline(report.analysis)))
+    print(f"report: {report.report_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
