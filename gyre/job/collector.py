@@ -1,0 +1,105 @@
+"""Record every event of one run into `run_dir/events.jsonl` while the run goes on.
+
+The collector reads the run's subjects of every Gyre stream with the analytics tap (ephemeral
+ordered consumers: it never acks or creates durable consumers, so recording cannot change what
+the services see). It replays each stream from its start, so starting it after the services is
+fine, and `stop()` ends with a final sweep (`read_all`) that picks up whatever the live tail had
+not delivered yet; the event log writer skips events it already holds (by event_id), so the
+sweep and JetStream redelivery never duplicate a record.
+
+`on_event(record)` callbacks (progress bars) run in the collector's task for every new record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gyre.analytics import tap
+from gyre.bus import Bus
+from gyre.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
+
+log = logging.getLogger("gyre.job.collector")
+
+Record = dict[str, Any]
+
+
+def run_filters(run_id: str) -> list[str]:
+    """One subject filter per stream, covering every subject of `run_id` (weights have no suffix)."""
+    return [
+        f"gyre.leases.{run_id}.>",
+        f"gyre.executions.{run_id}.>",
+        f"gyre.steps.{run_id}.>",
+        f"gyre.paths.{run_id}.>",
+        f"gyre.weights.{run_id}",
+        f"gyre.metrics.{run_id}.>",
+    ]
+
+
+class EventCollector:
+    """Tails every stream of a run into an event log; see the module docstring for guarantees."""
+
+    def __init__(self, bus: Bus, run_id: str, run_dir: Path) -> None:
+        self.bus = bus
+        self.run_id = run_id
+        self.path = run_dir / EVENT_LOG_NAME
+        self.writer = EventLogWriter(self.path)
+        self.listeners: list[Callable[[Record], None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subscribed = 0
+
+    def on_event(self, callback: Callable[[Record], None]) -> None:
+        self.listeners.append(callback)
+
+    def _record(self, rec: tap.EventRecord) -> None:
+        if rec.msg is None:
+            log.warning("skipped %s event on %s (%d bytes)", rec.type_name, rec.subject, rec.size_bytes)
+            return
+        record = to_record(rec.msg, rec.subject, rec.time.timestamp())
+        if self.writer.write(record):
+            for callback in self.listeners:
+                try:
+                    callback(record)
+                except Exception:  # a broken progress bar must not stop the recording
+                    log.exception("event listener failed")
+
+    async def _follow(self, subject_filter: str, subscribed: asyncio.Event) -> None:
+        def mark() -> None:
+            self._subscribed += 1
+            if self._subscribed == len(run_filters(self.run_id)):
+                subscribed.set()
+
+        async for rec in tap.tail(self.bus, subject_filter, from_start=True, on_subscribed=mark):
+            self._record(rec)
+
+    async def start(self) -> None:
+        """Subscribe to every stream; returns once all subscriptions exist."""
+        subscribed = asyncio.Event()
+        for flt in run_filters(self.run_id):
+            self._tasks.append(asyncio.create_task(self._follow(flt, subscribed), name=f"collect:{flt}"))
+        waiter = asyncio.create_task(subscribed.wait())
+        done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in done:
+            waiter.cancel()
+            for task in done:
+                task.result()  # re-raise why a subscription failed
+
+    async def stop(self) -> int:
+        """Stop tailing, sweep every stream once more for missed events, close the log; return #records."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for flt in run_filters(self.run_id):
+            try:
+                for rec in await tap.read_all(self.bus, flt):
+                    self._record(rec)
+            except Exception as exc:  # the log keeps what the live tail saw
+                log.warning("final sweep of %s failed: %r", flt, exc)
+        self.writer.close()
+        return self.writer.num_written
