@@ -1,0 +1,4 @@
+"""The analytics tap: read Gyre's event streams as they happen (`gyre events tail`) or from the
+start into a table (`gyre events export`). It never acks, creates durable consumers or publishes
+(it only declares the streams, idempotently, with the services' own declarations), so tapping a
+production run cannot change what the services see."""
