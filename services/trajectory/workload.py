@@ -1,0 +1,232 @@
+"""Generated branching agent workload (for the benchmark and tests).
+
+Each execution is an agent loop over a task prompt: every turn the policy generates an action and
+the environment answers with an observation appended to the context. Histories branch the way
+real agents make them branch: every ``compaction_every`` turns the agent asks for a summary and the
+context restarts as task prompt + summary; a fraction of turns is retried (the first attempt is
+rolled back and the same prompt is sent again); the first ``shared_early_turns`` turns are
+identical across the members of a group. Some executions are exact copies of a group mate
+(exact duplicates) and some copy a group mate except for their last turns (near duplicates).
+Token ids are random: only the structure matters here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class WorkloadConfig:
+    num_groups: int = 8
+    group_size: int = 8
+    task_prompt_tokens: int = 4096
+    num_turns: int = 40
+    generated_tokens: int = 300
+    observation_tokens: int = 700
+    compaction_every: int = 10
+    summary_tokens: int = 500
+    retry_fraction: float = 0.1
+    shared_early_turns: int = 2
+    exact_duplicates_per_group: int = 1
+    near_duplicates_per_group: int = 1
+    near_duplicate_tail_turns: int = 3
+    vocab: int = 500
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class GeneratedCall:
+    task_id: str
+    group_id: str
+    execution_id: str
+    call_seq: int
+    prompt: np.ndarray
+    completion: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    context_event: str = ""
+
+
+@dataclass(slots=True)
+class GeneratedExecution:
+    task_id: str
+    group_id: str
+    execution_id: str
+    calls: list[GeneratedCall] = field(default_factory=list)
+    reward: float = 0.0
+    finished: bool = True
+    milestones_reached: int = 0
+    milestones_total: int = 4
+
+
+def _jitter(rng: np.random.Generator, n: int) -> int:
+    return max(1, int(rng.integers(int(n * 0.8), int(n * 1.2) + 1)))
+
+
+def _agent(
+    cfg: WorkloadConfig,
+    task_id: str,
+    group_id: str,
+    eid: str,
+    task: np.ndarray,
+    rng: np.random.Generator,
+    shared: np.random.Generator,
+    copy_of: GeneratedExecution | None = None,
+    copy_turns: int = 0,
+) -> GeneratedExecution:
+    ex = GeneratedExecution(task_id, group_id, eid)
+    ctx = task.copy()
+    seq = 0
+
+    def call(prompt: np.ndarray, gen: np.random.Generator, n: int, event: str = "") -> np.ndarray:
+        nonlocal seq
+        comp = gen.integers(0, cfg.vocab, _jitter(gen, n), dtype=np.int32)
+        lp = (-gen.random(len(comp))).astype(np.float32)
+        ex.calls.append(
+            GeneratedCall(task_id, group_id, eid, seq, prompt, comp, lp, np.zeros(len(comp), np.int64), event)
+        )
+        seq += 1
+        return comp
+
+    for turn in range(cfg.num_turns):
+        if copy_of is not None and turn < copy_turns:
+            continue
+        gen = shared if turn < cfg.shared_early_turns else rng
+        if turn > 0 and turn % cfg.compaction_every == 0:
+            summary = call(ctx, gen, cfg.summary_tokens)
+            ctx = np.concatenate([task, summary])
+            event = "compaction"
+        else:
+            event = ""
+        if turn >= cfg.shared_early_turns and rng.random() < cfg.retry_fraction:
+            call(ctx, rng, cfg.generated_tokens, event)  # rolled back
+            event = "retry"
+        action = call(ctx, gen, cfg.generated_tokens, event)
+        obs = gen.integers(0, cfg.vocab, _jitter(gen, cfg.observation_tokens), dtype=np.int32)
+        ctx = np.concatenate([ctx, action, obs])
+    ex.finished = bool(rng.random() < 0.75)
+    ex.reward = float(rng.random())
+    ex.milestones_reached = int(rng.integers(0, ex.milestones_total + 1))
+    return ex
+
+
+def generate(cfg: WorkloadConfig) -> list[GeneratedExecution]:
+    """Every execution of every group, calls in call_seq order."""
+    rng = np.random.default_rng(cfg.seed)
+    out: list[GeneratedExecution] = []
+    for g in range(cfg.num_groups):
+        task_id, group_id = f"t{g:04d}", f"t{g:04d}-g0"
+        task = rng.integers(0, cfg.vocab, cfg.task_prompt_tokens, dtype=np.int32)
+        shared_seed = int(rng.integers(1 << 31))
+        members: list[GeneratedExecution] = []
+        num_fresh = cfg.group_size - cfg.exact_duplicates_per_group - cfg.near_duplicates_per_group
+        for i in range(cfg.group_size):
+            eid = f"{group_id}-e{i}"
+            shared = np.random.default_rng(shared_seed)
+            if i < num_fresh or not members:
+                ex = _agent(
+                    cfg, task_id, group_id, eid, task, np.random.default_rng(rng.integers(1 << 31)), shared
+                )
+            elif i < num_fresh + cfg.exact_duplicates_per_group:
+                src = members[i % len(members)]
+                ex = GeneratedExecution(task_id, group_id, eid, reward=src.reward, finished=src.finished)
+                ex.calls = [
+                    GeneratedCall(
+                        task_id,
+                        group_id,
+                        eid,
+                        c.call_seq,
+                        c.prompt,
+                        c.completion,
+                        c.logprobs,
+                        c.versions,
+                        c.context_event,
+                    )
+                    for c in src.calls
+                ]
+            else:
+                src = members[i % len(members)]
+                keep_turn = cfg.num_turns - cfg.near_duplicate_tail_turns
+                # Copy the source's calls up to keep_turn, then continue with fresh tokens.
+                ex = GeneratedExecution(task_id, group_id, eid, reward=float(rng.random()))
+                tail = _near_duplicate_tail(
+                    cfg, src, keep_turn, eid, np.random.default_rng(rng.integers(1 << 31))
+                )
+                ex.calls = tail
+            members.append(ex)
+        out.extend(members)
+    return out
+
+
+def _near_duplicate_tail(
+    cfg: WorkloadConfig,
+    src: GeneratedExecution,
+    keep_calls_until_turn: int,
+    eid: str,
+    rng: np.random.Generator,
+) -> list[GeneratedCall]:
+    """The source's calls, except that the last calls get fresh completions (same prompts)."""
+    n_keep = max(1, int(len(src.calls) * keep_calls_until_turn / max(cfg.num_turns, 1)))
+    calls: list[GeneratedCall] = []
+    for c in src.calls:
+        comp = (
+            c.completion
+            if c.call_seq < n_keep
+            else rng.integers(0, cfg.vocab, len(c.completion), dtype=np.int32)
+        )
+        calls.append(
+            GeneratedCall(
+                c.task_id,
+                c.group_id,
+                eid,
+                c.call_seq,
+                c.prompt,
+                comp,
+                c.logprobs,
+                c.versions,
+                c.context_event,
+            )
+        )
+    return calls
+
+
+def interleaved_tokens(calls: list[GeneratedCall]) -> int:
+    """Tokens if calls are merged while the history extends as a prefix, a new sample at each break."""
+    total = 0
+    prev: np.ndarray | None = None
+    for c in sorted(calls, key=lambda c: c.call_seq):
+        full = np.concatenate([c.prompt, c.completion])
+        if prev is not None and len(c.prompt) >= len(prev) and np.array_equal(c.prompt[: len(prev)], prev):
+            total += len(full) - len(prev)
+        else:
+            total += len(full)
+        prev = full
+    return total
+
+
+def xlong_execution(num_calls: int = 300, total_tokens: int = 700_000, seed: int = 1) -> list[GeneratedCall]:
+    """One execution of ``num_calls`` calls whose distinct tokens add up to about ``total_tokens``."""
+    rng = np.random.default_rng(seed)
+    per_call = total_tokens // num_calls
+    task = rng.integers(0, 500, 4096, dtype=np.int32)
+    ctx = task
+    calls: list[GeneratedCall] = []
+    for s in range(num_calls):
+        comp = rng.integers(0, 500, per_call // 3, dtype=np.int32)
+        calls.append(
+            GeneratedCall(
+                "tx",
+                "tx-g0",
+                "tx-g0-e0",
+                s,
+                ctx,
+                comp,
+                (-rng.random(len(comp))).astype(np.float32),
+                np.zeros(len(comp), np.int64),
+            )
+        )
+        obs = rng.integers(0, 500, per_call - len(comp), dtype=np.int32)
+        ctx = np.concatenate([task, comp[:200]]) if s % 30 == 29 else np.concatenate([ctx, comp, obs])
+    return calls
