@@ -18,13 +18,13 @@ import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Protocol
 
 from gyre.errors import ConfigError, InvalidArgument
 
 
-class Ending(str, Enum):
+class Ending(StrEnum):
     """How an execution ended, as far as the trajectory service knows."""
 
     RUNNING = "running"  # no end event yet (scored only when train_unfinished_after_s allows it)

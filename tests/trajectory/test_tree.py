@@ -54,7 +54,7 @@ def test_prefix_extending_history_is_stored_once():
 
 def test_context_compaction_branches_after_the_task_prompt():
     tree = TaskTree("t")
-    task, a1, o1, summary, a2 = toks(50), toks(10), toks(20), toks(8), toks(10)
+    task, a1, _o1, summary, a2 = toks(50), toks(10), toks(20), toks(8), toks(10)
     add(tree, "e", 0, task, a1)
     compacted = np.concatenate([task, summary])  # the summary replaces turn 1
     add(tree, "e", 1, compacted, a2)
