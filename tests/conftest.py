@@ -40,7 +40,9 @@ def _postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embed
     if external:
         yield external
         return
-    with EmbeddedPostgres(tmp_path_factory.mktemp("postgres"), database="gyre_test", durable=False) as server:
+    with EmbeddedPostgres(
+        tmp_path_factory.mktemp("postgres"), database="gyre_test", durable=False, keep_data=False
+    ) as server:
         yield server
 
 

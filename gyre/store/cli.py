@@ -1,0 +1,72 @@
+"""`gyre db upgrade [--config FILE] [--service NAME ...]`: apply every service's Alembic migrations.
+
+Services keep their migrations in services/<name>/migrations (version table alembic_version_<name>);
+a service without that directory yet is skipped with a note. The database comes from the run
+config's `database_url` or GYRE_DATABASE_URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+SERVICES = ("scheduler", "rollout", "trajectory", "trainer")
+
+
+def migrations_dir(service: str) -> Path | None:
+    """services/<service>/migrations if the service package and that directory exist."""
+    spec = importlib.util.find_spec(f"services.{service}")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "migrations"
+    return path if (path / "env.py").is_file() else None
+
+
+def upgrade_all(url: str, services: tuple[str, ...] = SERVICES) -> list[str]:
+    """Upgrade each named service to head; returns the services that had migrations."""
+    from gyre.store import upgrade
+
+    done = []
+    for name in services:
+        path = migrations_dir(name)
+        if path is None:
+            print(
+                f"gyre db upgrade: {name}: no migrations yet (services/{name}/migrations), skipped",
+                file=sys.stderr,
+            )
+            continue
+        upgrade(url, path, f"alembic_version_{name}")
+        done.append(name)
+    return done
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gyre db", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="action", required=True)
+    up = sub.add_parser("upgrade", help="apply every service's migrations up to head")
+    up.add_argument(
+        "--config", type=Path, default=None, help="run YAML (database_url); env GYRE_DATABASE_URL wins"
+    )
+    up.add_argument("--service", action="append", choices=SERVICES, help="only this service (repeatable)")
+    args = parser.parse_args(argv)
+
+    from gyre.config import load_common
+    from gyre.errors import GyreError
+
+    try:
+        common = load_common(args.config)
+        if not common.database_url:
+            print(
+                "gyre db upgrade: no database: set database_url in the config or GYRE_DATABASE_URL "
+                "(`gyre up` runs the migrations itself against its embedded Postgres)",
+                file=sys.stderr,
+            )
+            return 2
+        done = upgrade_all(common.database_url, tuple(args.service or SERVICES))
+    except GyreError as exc:
+        print(f"gyre db upgrade: {exc}", file=sys.stderr)
+        return 1
+    print(f"upgraded: {', '.join(done) if done else 'nothing (no service has migrations yet)'}")
+    return 0
