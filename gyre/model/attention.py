@@ -1,0 +1,279 @@
+"""Attention over arbitrary (tree) masks, exact on CPU and CUDA, and the core-attention module of ours.
+
+Masks (True = the query may attend to the key):
+
+- `TreeLayout` — a tree-packed batch (see proto BatchChunk): token a attends to token b iff b's
+  node is an ancestor-or-self of a's node and b <= a. Tokens are laid out node by node in
+  depth-first order, so every visible key precedes its query. Three exact kernels:
+    * ``dense``: one `scaled_dot_product_attention` call with a boolean [T, T] mask; O(T^2) work.
+    * ``nodes``: one SDPA call per node over the keys of its ancestor chain plus itself; the work is
+      sum over tokens of (visible keys), i.e. never more than training the paths separately.
+    * ``flex``: `torch.nn.attention.flex_attention` with a block mask built from the node ancestry
+      (compiled; the fast path on CUDA, skipping fully masked blocks).
+- `DenseMask` — any boolean mask [B or 1, 1, Sq, Sk] (padding + causal, KV-cache decode).
+- ``None`` — plain causal attention (Sq == Sk).
+
+Tensors here are [batch, heads, seq, head_dim]; key/value may have fewer heads than the query
+(grouped-query attention), query head h uses key/value head h // (heads / kv_heads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gyre.errors import InvalidArgument
+
+
+@dataclass
+class TreeLayout:
+    """Ancestry of a tree-packed sequence; validates the arrays at construction (InvalidArgument).
+
+    `node_offsets[i]`, `node_lengths[i]`: the tokens of node i; nodes must tile [0, num_tokens) in
+    order. `node_parents[i]`: parent node index (< i) or -1 for a root.
+    """
+
+    num_tokens: int
+    node_offsets: list[int]
+    node_lengths: list[int]
+    node_parents: list[int]
+    _chains: list[list[int]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.node_offsets = [int(x) for x in self.node_offsets]
+        self.node_lengths = [int(x) for x in self.node_lengths]
+        self.node_parents = [int(x) for x in self.node_parents]
+        n = len(self.node_offsets)
+        if len(self.node_lengths) != n or len(self.node_parents) != n:
+            raise InvalidArgument(
+                f"node arrays differ in length: offsets {n}, lengths {len(self.node_lengths)}, "
+                f"parents {len(self.node_parents)}"
+            )
+        expected = 0
+        for i in range(n):
+            if self.node_offsets[i] != expected or self.node_lengths[i] < 0:
+                raise InvalidArgument(
+                    f"node {i} occupies [{self.node_offsets[i]}, +{self.node_lengths[i]}) but nodes must tile "
+                    f"the tokens in order (expected offset {expected}, length >= 0)"
+                )
+            expected += self.node_lengths[i]
+            if not -1 <= self.node_parents[i] < i:
+                raise InvalidArgument(
+                    f"node {i} has parent {self.node_parents[i]}: a parent must precede its child (or be -1)"
+                )
+        if expected != self.num_tokens:
+            raise InvalidArgument(f"nodes cover {expected} tokens but the sequence has {self.num_tokens}")
+        self._chains = []
+        for i in range(n):
+            p = self.node_parents[i]
+            self._chains.append((self._chains[p] if p >= 0 else []) + [i])
+
+    @classmethod
+    def chain(cls, num_tokens: int) -> TreeLayout:
+        """One node holding every token: plain causal attention."""
+        return cls(num_tokens, [0], [num_tokens], [-1])
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_offsets)
+
+    def ancestors(self, node: int) -> list[int]:
+        """Node indices from the root down to `node` (inclusive)."""
+        return self._chains[node]
+
+    def node_of_token(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[T] long: the node each token belongs to."""
+        lengths = torch.tensor(self.node_lengths, dtype=torch.long)
+        return torch.repeat_interleave(torch.arange(self.num_nodes), lengths).to(device)
+
+    def ancestor_matrix(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[N, N] bool: [i, j] is True iff node j is an ancestor-or-self of node i."""
+        m = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.bool)
+        for i, chain in enumerate(self._chains):
+            m[i, chain] = True
+        return m.to(device)
+
+    def dense_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[T, T] bool mask, True where query a may attend to key b."""
+        node = self.node_of_token(device)
+        anc = self.ancestor_matrix(device)
+        idx = torch.arange(self.num_tokens, device=device)
+        return anc[node[:, None], node[None, :]] & (idx[None, :] <= idx[:, None])
+
+    def visible_keys(self, node: int) -> torch.Tensor:
+        """[K] long: token indices node `node` may see (ancestors' tokens, then its own), ascending."""
+        parts = [
+            torch.arange(self.node_offsets[j], self.node_offsets[j] + self.node_lengths[j])
+            for j in self._chains[node]
+        ]
+        return torch.cat(parts)
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf node chains (a leaf = a node that is nobody's parent)."""
+        has_child = set(p for p in self.node_parents if p >= 0)
+        return [self._chains[i] for i in range(self.num_nodes) if i not in has_child]
+
+    def path_tokens(self) -> list[torch.Tensor]:
+        """Token indices of every root-to-leaf path, in order."""
+        return [self.visible_keys(chain[-1]) for chain in self.paths()]
+
+
+@dataclass
+class DenseMask:
+    """An explicit boolean mask [B or 1, 1, Sq, Sk]; True = may attend."""
+
+    mask: torch.Tensor
+
+
+AttentionMask = TreeLayout | DenseMask | None
+
+_flex_compiled: Any = None
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+def choose_tree_backend(layout: TreeLayout, device: torch.device, requested: str) -> str:
+    """The kernel 'auto' picks: flex on CUDA; on CPU per-node SDPA for large trees of few nodes."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "flex"
+    if layout.num_nodes == 1:
+        return "causal"
+    if layout.num_tokens >= 512 and layout.num_tokens / layout.num_nodes >= 32:
+        return "nodes"
+    return "dense"
+
+
+def tree_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeLayout, backend: str = "auto"
+) -> torch.Tensor:
+    """Exact attention of a tree-packed sequence; q/k/v [1, heads, T, d] -> [1, heads, T, d]."""
+    if q.shape[2] != layout.num_tokens:
+        raise InvalidArgument(f"sequence has {q.shape[2]} tokens but the tree layout {layout.num_tokens}")
+    kind = choose_tree_backend(layout, q.device, backend)
+    if kind == "causal":
+        return _sdpa(q, k, v, None, True)
+    if kind == "dense":
+        return _sdpa(q, k, v, layout.dense_mask(q.device)[None, None], False)
+    if kind == "nodes":
+        outs = []
+        for i in range(layout.num_nodes):
+            off, n = layout.node_offsets[i], layout.node_lengths[i]
+            if n == 0:
+                continue
+            keys = layout.visible_keys(i).to(q.device)
+            prefix = keys.numel() - n
+            if prefix == 0:
+                outs.append(
+                    _sdpa(q[:, :, off : off + n], k[:, :, off : off + n], v[:, :, off : off + n], None, True)
+                )
+                continue
+            allowed = torch.arange(prefix + n, device=q.device)[None, :] <= (
+                prefix + torch.arange(n, device=q.device)[:, None]
+            )
+            outs.append(
+                _sdpa(q[:, :, off : off + n], k[:, :, keys], v[:, :, keys], allowed[None, None], False)
+            )
+        return torch.cat(outs, dim=2)
+    if kind == "flex":
+        return _flex_tree_attention(q, k, v, layout)
+    raise InvalidArgument(f"unknown attention backend {backend!r}; use auto, dense, nodes or flex")
+
+
+def _flex_tree_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeLayout
+) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _flex_compiled
+    node = layout.node_of_token(q.device)
+    anc = layout.ancestor_matrix(q.device)
+
+    def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+        return anc[node[qi], node[ki]] & (ki <= qi)
+
+    t = layout.num_tokens
+    block_mask = create_block_mask(mask_mod, None, None, t, t, device=q.device)
+    fn = flex_attention
+    if q.device.type == "cuda":
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention, dynamic=True)
+        fn = _flex_compiled
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, backend: str = "auto"
+) -> torch.Tensor:
+    """Dispatch on the mask kind; q [B, H, Sq, d], k/v [B, Hkv, Sk, d] -> [B, H, Sq, d]."""
+    if mask is None:
+        return _sdpa(q, k, v, None, q.shape[2] > 1)
+    if isinstance(mask, TreeLayout):
+        return tree_attention(q, k, v, mask, backend)
+    return _sdpa(q, k, v, mask.mask, False)
+
+
+def _megatron_module_base() -> type:
+    from gyre.model.build import _quiet_megatron_import
+
+    _quiet_megatron_import()
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
+class GyreCoreAttention(_megatron_module_base()):  # type: ignore[misc]
+    """Megatron core-attention module (drop-in for the local spec's DotProductAttention).
+
+    Megatron's own one asks CUDA for its buffers; this one runs on any device and takes our mask
+    objects (`TreeLayout`, `DenseMask`, None = causal) as `attention_mask`. Inputs follow Megatron:
+    query [Sq, B, H, d], key/value [Sk, B, Hkv, d]; output [Sq, B, H * d].
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.backend = getattr(config, "gyre_attention_backend", "auto")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = attend(q, k, v, attention_mask, self.backend)
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def pad_stack(seqs: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """Right-pad [H, L_i, d] tensors with zeros to `length` and stack -> [B, H, length, d]."""
+    out = seqs[0].new_zeros(len(seqs), seqs[0].shape[0], length, seqs[0].shape[-1])
+    for i, s in enumerate(seqs):
+        out[i, :, : s.shape[1]] = s
+    return out

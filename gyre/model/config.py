@@ -1,0 +1,82 @@
+"""`ModelConfig`: the shape of the Megatron GPT that the trainer trains and the torch engine serves.
+
+Pure pydantic (no torch import), so service configs can embed it and stay light to load. The
+defaults are a tiny CPU model (2 layers, hidden 64) that fits the byte-level tokenizer
+(`vocab_size=512`). Llama / Qwen2 checkpoints map onto it through `services.trainer.hf`:
+RoPE + RMSNorm + SwiGLU + grouped-query attention + optional tied embeddings and qkv bias.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from gyre.config import ConfigModel
+
+
+class ModelConfig(ConfigModel):
+    """Architecture of the shared GPT model (megatron-core `GPTModel`, local layer spec)."""
+
+    vocab_size: int = Field(512, ge=1, description="Number of token ids (embedding rows and logits).")
+    num_layers: int = Field(2, ge=1, description="Number of transformer layers.")
+    hidden_size: int = Field(64, ge=1, description="Width of the residual stream.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads per layer.")
+    num_query_groups: int | None = Field(
+        None,
+        ge=1,
+        description="Key/value heads (grouped-query attention); None = num_attention_heads (plain multi-head).",
+    )
+    ffn_hidden_size: int = Field(256, ge=1, description="Inner width of the MLP (of each half when SwiGLU).")
+    max_position_embeddings: int = Field(
+        4096,
+        ge=1,
+        description="Largest position id + 1 the model accepts (tokens; learned positions' table size).",
+    )
+    position_embedding: Literal["rope", "learned"] = Field(
+        "rope",
+        description="'rope': rotary embeddings computed from each token's own position id; "
+        "'learned': a learned absolute position table indexed by position id.",
+    )
+    rotary_base: float = Field(10000.0, gt=0, description="RoPE base (theta); Llama-3 uses 500000.")
+    normalization: Literal["RMSNorm", "LayerNorm"] = Field(
+        "RMSNorm", description="Norm of every layer and the final norm."
+    )
+    norm_epsilon: float = Field(1e-5, gt=0, description="Epsilon of the norms.")
+    swiglu: bool = Field(True, description="Gated SiLU MLP (Llama); False = plain GeLU MLP (GPT-2).")
+    add_bias_linear: bool = Field(False, description="Biases on every linear layer (GPT-2 style).")
+    add_qkv_bias: bool = Field(False, description="Bias on the fused q/k/v projection only (Qwen2 style).")
+    tie_embeddings: bool = Field(False, description="Share the input embedding matrix with the output layer.")
+    init_std: float = Field(0.02, gt=0, description="Standard deviation of the random weight initialisation.")
+    attention_backend: Literal["auto", "dense", "nodes", "flex"] = Field(
+        "auto",
+        description="Kernel for tree-masked attention: 'dense' = torch SDPA with a boolean [T,T] mask; "
+        "'nodes' = one SDPA call per tree node over its ancestors' keys (no wasted work, CPU friendly); "
+        "'flex' = torch flex attention with a block mask (CUDA); 'auto' = flex on CUDA, else nodes for "
+        "large trees with few nodes and dense otherwise. All are exact; see docs/model.md.",
+    )
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be divisible by num_attention_heads {self.num_attention_heads}"
+            )
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} must be a multiple of num_query_groups {groups}"
+            )
+        if self.position_embedding == "rope" and (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError("RoPE needs an even head dimension (hidden_size / num_attention_heads)")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (num_query_groups, defaulting to num_attention_heads)."""
+        return self.num_query_groups or self.num_attention_heads

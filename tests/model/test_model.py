@@ -1,0 +1,148 @@
+"""The shared model: tree-packed forward equals per-path forward; KV cache equals no cache; weights I/O."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gyre.errors import InvalidArgument
+from gyre.model import (
+    KVCache,
+    ModelConfig,
+    TreeLayout,
+    build_model,
+    causal_logits,
+    decode_step,
+    greedy_generate,
+    load_weights,
+    prefill,
+    save_weights,
+    tree_logits,
+    tree_logprobs,
+)
+from gyre.model.trees import random_tree
+
+
+def _set_backend(model, backend: str) -> None:
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.backend = backend
+
+
+@pytest.fixture(scope="module")
+def model64():
+    return build_model(ModelConfig(num_query_groups=2), dtype=torch.float64, seed=1)
+
+
+@pytest.mark.parametrize("backend", ["dense", "nodes", "auto"])
+def test_tree_logits_equal_each_root_to_leaf_path_run_alone(model64, backend):
+    rng = random.Random(7)
+    _set_backend(model64, backend)
+    try:
+        for _ in range(3):
+            tree = random_tree(rng, num_nodes=7, max_len=5, num_roots=2)
+            tokens = torch.tensor([rng.randrange(512) for _ in range(tree.num_tokens)])
+            pos = torch.tensor(tree.position_ids)
+            packed = tree_logits(
+                model64, tokens, pos, tree.node_offsets, tree.node_lengths, tree.node_parents
+            )
+            layout = TreeLayout(tree.num_tokens, tree.node_offsets, tree.node_lengths, tree.node_parents)
+            for path in layout.path_tokens():
+                alone = causal_logits(model64, tokens[path][None], pos[path][None])[0]
+                torch.testing.assert_close(packed[path], alone, rtol=1e-10, atol=1e-10)
+    finally:
+        _set_backend(model64, "auto")
+
+
+def test_flex_backend_matches_dense_without_grad(model64):
+    rng = random.Random(3)
+    tree = random_tree(rng, num_nodes=5, max_len=4)
+    tokens = torch.tensor([rng.randrange(512) for _ in range(tree.num_tokens)])
+    pos = torch.tensor(tree.position_ids)
+    arrays = (tree.node_offsets, tree.node_lengths, tree.node_parents)
+    with torch.no_grad():
+        _set_backend(model64, "dense")
+        dense = tree_logits(model64, tokens, pos, *arrays)
+        _set_backend(model64, "flex")
+        flex = tree_logits(model64, tokens, pos, *arrays)
+    _set_backend(model64, "auto")
+    torch.testing.assert_close(flex, dense, rtol=1e-8, atol=1e-8)
+
+
+def test_tree_logprobs_score_each_token_from_its_own_ancestors(model64):
+    # root "a b c", two children "d e" and "f": f is predicted from c, not from e.
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15])
+    pos = torch.tensor([0, 1, 2, 3, 4, 3])
+    lp = tree_logprobs(model64, tokens, pos, [0, 3, 5], [3, 2, 1], [-1, 0, 0])
+    path = causal_logits(model64, torch.tensor([[10, 11, 12, 15]]))[0].log_softmax(-1)
+    assert lp[0] == 0
+    torch.testing.assert_close(lp[5], path[2, 15])
+    torch.testing.assert_close(lp[1], path[0, 11])
+
+
+def test_greedy_decoding_with_kv_cache_equals_decoding_without():
+    model = build_model(ModelConfig(), seed=0)
+    prompt = [5, 17, 250, 3, 9]
+    assert greedy_generate(model, prompt, 12, use_cache=True) == greedy_generate(
+        model, prompt, 12, use_cache=False
+    )
+
+
+def test_batched_decode_of_sequences_of_different_lengths_matches_uncached_forward(model64):
+    seqs = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    caches = [KVCache() for _ in seqs]
+    for c, s in zip(caches, seqs, strict=True):
+        prefill(model64, c, torch.tensor(s), torch.arange(len(s)))
+    nxt = torch.tensor([100, 200, 300])
+    logits = decode_step(model64, caches, nxt, torch.tensor([len(s) for s in seqs]))
+    for b, s in enumerate(seqs):
+        full = causal_logits(model64, torch.tensor([s + [int(nxt[b])]]))[0, -1]
+        torch.testing.assert_close(logits[b], full, rtol=1e-10, atol=1e-10)
+    assert [len(c) for c in caches] == [4, 8, 2]
+
+
+def test_dropped_cache_re_prefilled_in_chunks_continues_identically(model64):
+    tokens = torch.tensor([7, 8, 9, 10, 11, 12])
+    whole = KVCache()
+    prefill(model64, whole, tokens, torch.arange(6))
+    migrated = KVCache()
+    prefill(model64, migrated, tokens[:2], torch.arange(2))
+    migrated.clear()  # the engine dropped it; re-prefill prompt + generated tokens, in two chunks
+    prefill(model64, migrated, tokens[:4], torch.arange(4))
+    prefill(model64, migrated, tokens[4:], torch.arange(4, 6))
+    a = decode_step(model64, [whole], torch.tensor([3]), torch.tensor([6]))
+    b = decode_step(model64, [migrated], torch.tensor([3]), torch.tensor([6]))
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_padded_batch_gives_the_logits_of_each_sequence_alone(model64):
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0]])
+    batched = causal_logits(model64, ids, lengths=[4, 2])
+    alone = causal_logits(model64, ids[1:, :2])[0]
+    torch.testing.assert_close(batched[1, :2], alone, rtol=1e-10, atol=1e-10)
+
+
+def test_weights_round_trip_and_a_wrong_digest_is_refused(tmp_path):
+    cfg = ModelConfig(tie_embeddings=True, position_embedding="learned", swiglu=False, add_bias_linear=True)
+    a, b = build_model(cfg, seed=1), build_model(cfg, seed=2)
+    digest = save_weights(a, tmp_path / "v1.safetensors")
+    with pytest.raises(InvalidArgument):
+        load_weights(b, tmp_path / "v1.safetensors", expected_sha256="0" * 64)
+    load_weights(b, tmp_path / "v1.safetensors", expected_sha256=digest)
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(causal_logits(a, ids), causal_logits(b, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "offsets,lengths,parents",
+    [([0, 2], [2, 2], [-1, 1]), ([0, 3], [2, 2], [-1, 0]), ([0], [3], [-1])],
+)
+def test_malformed_tree_arrays_are_rejected(offsets, lengths, parents):
+    with pytest.raises(InvalidArgument):
+        TreeLayout(4, offsets, lengths, parents)
+
+
+def test_out_of_vocabulary_token_is_rejected(model64):
+    with pytest.raises(InvalidArgument):
+        causal_logits(model64, torch.tensor([[1, 512]]))
