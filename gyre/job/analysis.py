@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 ROLES = ("rollout", "train", "switching", "idle")
-_ROLE_NAMES = {"DEVICE_ROLE_ROLLOUT": "rollout", "DEVICE_ROLE_TRAIN": "train", "DEVICE_ROLE_IDLE": "idle"}
+ROLE_NAMES = {"DEVICE_ROLE_ROLLOUT": "rollout", "DEVICE_ROLE_TRAIN": "train", "DEVICE_ROLE_IDLE": "idle"}
 _TERMINAL_KINDS = {"KIND_FINISHED", "KIND_TRUNCATED", "KIND_FAILED"}
 CONFIDENCE = 0.95
 NUM_BOOTSTRAP = 5000
@@ -277,7 +277,7 @@ def _role_of(lease: dict[str, Any]) -> str:
     state = lease.get("state", "")
     if state in ("LEASE_STATE_RELEASED", "LEASE_STATE_GRANTED"):
         return "switching"
-    return _ROLE_NAMES.get(lease.get("role", ""), "idle")
+    return ROLE_NAMES.get(lease.get("role", ""), "idle")
 
 
 def _role_segments(leases: list[tuple[float, dict[str, Any]]], t0: float, t_end: float) -> list[RoleSegment]:

@@ -1,138 +1,24 @@
-"""The report builder on a SYNTHETIC event log generated here (no services run in these tests).
-
-The generator writes the events a run of `num_steps` trainer steps would publish: device leases
-moving between rollout and training, executions with steps (token versions), scored groups whose
-reward follows a chosen trend plus seeded noise, batches and weight publications.
-"""
+"""The report builder on a SYNTHETIC event log (the `synthetic_run` fixture of conftest.py; no services run)."""
 
 from __future__ import annotations
 
 import json
 import math
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from gyre.job.analysis import analyse, bootstrap_mean, window_steps
-from gyre.job.eventlog import EVENT_LOG_NAME, EventLogWriter, read_events, to_record
+from gyre.job.eventlog import EVENT_LOG_NAME, read_events
 from gyre.job.report import build_report
-from gyre.v1 import common_pb2, events_pb2
-
-T0 = 1_800_000_000.0
 
 
-def write_synthetic_run(run_dir: Path, *, num_steps: int, reward_slope: float, seed: int = 0) -> Path:
-    """A synthetic events.jsonl: 4 devices, 4 groups of 4 executions per step, 10 s per step."""
-    rng = random.Random(seed)
-    path = run_dir / EVENT_LOG_NAME
-    writer = EventLogWriter(path)
-    run = "synthetic"
-
-    def lease(t: float, device: str, role: int, state: int, kind: int, epoch: int) -> None:
-        ev = events_pb2.LeaseEvent(
-            event_id=f"lease.{device}.{epoch}",
-            run_id=run,
-            kind=kind,
-            lease=common_pb2.Lease(device_id=device, role=role, state=state, epoch=epoch),
-            policy="elastic",
-            created_unix_s=t,
-        )
-        writer.write(to_record(ev, f"gyre.leases.{run}.{device}"))
-
-    ROLLOUT, TRAIN = common_pb2.DEVICE_ROLE_ROLLOUT, common_pb2.DEVICE_ROLE_TRAIN
-    ACTIVE, RELEASED = common_pb2.LEASE_STATE_ACTIVE, common_pb2.LEASE_STATE_RELEASED
-    for d in range(4):
-        lease(T0, f"cpu0-{d}", ROLLOUT if d < 3 else TRAIN, ACTIVE, events_pb2.LeaseEvent.KIND_REGISTERED, 1)
-    epoch = 1
-    for step in range(num_steps + 1):
-        base = T0 + 10.0 * step
-        if step < num_steps:  # device 2 lent to training in the tail of every step, then returned
-            epoch += 1
-            lease(base + 6, "cpu0-2", ROLLOUT, RELEASED, events_pb2.LeaseEvent.KIND_RELEASED, epoch)
-            epoch += 1
-            lease(base + 6.5, "cpu0-2", TRAIN, ACTIVE, events_pb2.LeaseEvent.KIND_ACQUIRED, epoch)
-            epoch += 1
-            lease(base + 9.5, "cpu0-2", ROLLOUT, ACTIVE, events_pb2.LeaseEvent.KIND_ACQUIRED, epoch)
-        for g in range(4):
-            task, group = f"t{step:03d}{g}", f"t{step:03d}{g}-g0"
-            for e in range(4):
-                execution = f"{group}-e{e}"
-                for call in range(3):
-                    versions = [max(0, step - rng.choice([0, 0, 1]))] * 5
-                    st = events_pb2.StepEvent(
-                        event_id=f"{execution}.{call}",
-                        run_id=run,
-                        task_id=task,
-                        group_id=group,
-                        execution_id=execution,
-                        call_seq=call,
-                        prompt_token_ids=list(range(20 + call)),
-                        completion_token_ids=[1, 2, 3, 4, 5],
-                        completion_logprobs=[-0.5] * 5,
-                        completion_versions=versions,
-                        context_event="compaction" if call == 2 else "",
-                        finished_unix_s=base + 1 + call,
-                    )
-                    writer.write(to_record(st, f"gyre.steps.{run}.{task}"))
-                done = events_pb2.ExecutionEvent(
-                    event_id=f"{execution}.end",
-                    run_id=run,
-                    task_id=task,
-                    group_id=group,
-                    execution_id=execution,
-                    kind=events_pb2.ExecutionEvent.KIND_TRUNCATED,
-                    progress=common_pb2.ProgressSignal(
-                        milestones_reached=min(5, step // 2), milestones_total=5
-                    ),
-                    created_unix_s=base + 4.5,
-                )
-                writer.write(to_record(done, f"gyre.executions.{run}.{task}"))
-            reward = min(1.0, max(0.0, 0.2 + reward_slope * step + rng.gauss(0, 0.05)))
-            scored = events_pb2.GroupScoredEvent(
-                event_id=f"scored.{group}",
-                run_id=run,
-                task_id=task,
-                group_id=group,
-                num_paths=4,
-                num_exact_merged=1 if g == 0 else 0,
-                num_near_duplicates=1 if g == 1 else 0,
-                reward_mean=reward,
-                num_partial=4,
-                created_unix_s=base + 5,
-            )
-            writer.write(to_record(scored, f"gyre.paths.{run}.scored"))
-        batch = events_pb2.BatchReadyEvent(
-            event_id=f"batch.{step}",
-            run_id=run,
-            batch_id=f"b{step}",
-            num_trees=4,
-            num_paths=16,
-            num_tokens=300,
-            num_flat_tokens=960,
-            min_policy_version=max(0, step - 1),
-            max_policy_version=step,
-            created_unix_s=base + 5.5,
-        )
-        writer.write(to_record(batch, f"gyre.paths.{run}.batch"))
-        if step < num_steps:
-            weights = events_pb2.WeightsPublishedEvent(
-                event_id=f"weights.{run}.{step + 1}",
-                run_id=run,
-                weights=common_pb2.WeightVersion(
-                    version=step + 1, train_step=step + 1, created_unix_s=base + 10
-                ),
-                metrics={"loss": 1.0 / (step + 1), "step_s": 3.0},
-            )
-            writer.write(to_record(weights, f"gyre.weights.{run}"))
-    # a redelivered event is recorded once
-    assert not writer.write(to_record(scored, f"gyre.paths.{run}.scored"))
-    writer.close()
-    return path
-
-
-def test_step_events_are_summarised_without_token_arrays(tmp_path: Path) -> None:
-    write_synthetic_run(tmp_path, num_steps=2, reward_slope=0.0)
+def test_step_events_are_summarised_without_token_arrays(
+    tmp_path: Path, synthetic_run: Callable[..., Path]
+) -> None:
+    synthetic_run(tmp_path, num_steps=2, reward_slope=0.0)
     steps = [r for r in read_events(tmp_path / EVENT_LOG_NAME) if r["type"] == "StepEvent"]
     assert steps, "generator wrote step events"
     ev = steps[0]["event"]
@@ -141,16 +27,18 @@ def test_step_events_are_summarised_without_token_arrays(tmp_path: Path) -> None
     assert sum(ev["completion_version_counts"].values()) == 5
 
 
-def test_torn_last_line_is_skipped(tmp_path: Path) -> None:
-    path = write_synthetic_run(tmp_path, num_steps=1, reward_slope=0.0)
+def test_torn_last_line_is_skipped(tmp_path: Path, synthetic_run: Callable[..., Path]) -> None:
+    path = synthetic_run(tmp_path, num_steps=1, reward_slope=0.0)
     n = len(read_events(path))
     with path.open("a") as fh:
         fh.write('{"type": "StepEvent", "ev')
     assert len(read_events(path)) == n
 
 
-def test_rising_reward_is_judged_learned_and_report_is_written(tmp_path: Path) -> None:
-    write_synthetic_run(tmp_path, num_steps=10, reward_slope=0.06)
+def test_rising_reward_is_judged_learned_and_report_is_written(
+    tmp_path: Path, synthetic_run: Callable[..., Path]
+) -> None:
+    synthetic_run(tmp_path, num_steps=10, reward_slope=0.06)
     report = build_report(tmp_path)
     a = report.analysis
     assert a.num_steps == 10
@@ -170,19 +58,21 @@ def test_rising_reward_is_judged_learned_and_report_is_written(tmp_path: Path) -
     )
 
 
-def test_flat_reward_is_rarely_judged_learned(tmp_path: Path) -> None:
+def test_flat_reward_is_rarely_judged_learned(tmp_path: Path, synthetic_run: Callable[..., Path]) -> None:
     # a 95% interval rule: about 1 run in 20 with no trend may pass by chance, not more
     num_learned = 0
     for seed in range(20):
         run_dir = tmp_path / f"s{seed}"
-        a = analyse(read_events(write_synthetic_run(run_dir, num_steps=10, reward_slope=0.0, seed=seed)))
+        a = analyse(read_events(synthetic_run(run_dir, num_steps=10, reward_slope=0.0, seed=seed)))
         assert a.verdict is not None
         num_learned += a.verdict.learned
     assert num_learned <= 3
 
 
-def test_device_time_tree_ratio_dedup_and_staleness_follow_the_events(tmp_path: Path) -> None:
-    write_synthetic_run(tmp_path, num_steps=4, reward_slope=0.0)
+def test_device_time_tree_ratio_dedup_and_staleness_follow_the_events(
+    tmp_path: Path, synthetic_run: Callable[..., Path]
+) -> None:
+    synthetic_run(tmp_path, num_steps=4, reward_slope=0.0)
     a = analyse(read_events(tmp_path / EVENT_LOG_NAME))
     assert a.policy == "elastic"
     assert a.tree_token_ratio == pytest.approx(960 / 300)

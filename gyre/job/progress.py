@@ -1,0 +1,189 @@
+"""Live progress of a run, driven by its events (the collector's `on_event` callbacks).
+
+`RunTracker` folds event records into the few numbers a person watches (trainer step, reward,
+device roles, tokens/s, executions); `LiveProgress` draws them with rich — bars on a terminal,
+one plain line per trainer step otherwise (CI logs stay readable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gyre.job.analysis import ROLE_NAMES, execution_score
+
+Record = dict[str, Any]
+
+
+class RunTracker:
+    """Running totals of a run's events; `steps_done` fires when `target_steps` versions exist."""
+
+    def __init__(self, target_steps: int) -> None:
+        self.target_steps = target_steps
+        self.version = 0
+        self.version_times: dict[int, float] = {}
+        self.last_metrics: dict[str, float] = {}
+        self.rewards: list[float] = []  # group rewards, in arrival order
+        self.step_rewards: dict[int, list[float]] = {}
+        self.roles: dict[str, str] = {}
+        self.executions: dict[str, int] = {"started": 0, "ended": 0}
+        self.num_steps_seen = 0
+        self.num_tokens = 0
+        self.num_batches = 0
+        self._token_window: deque[tuple[float, int]] = deque()
+        self.started_at = time.time()
+        self.steps_done = asyncio.Event()
+        self.step_versions: list[int] = []  # weight versions in arrival order (monotonicity check)
+
+    def update(self, record: Record) -> None:
+        kind, ev = record["type"], record["event"]
+        now = time.time()
+        if kind == "WeightsPublishedEvent":
+            v = int((ev.get("weights") or {}).get("version", 0))
+            self.step_versions.append(v)
+            self.version = max(self.version, v)
+            self.version_times.setdefault(v, now)
+            self.last_metrics = {k: float(x) for k, x in (ev.get("metrics") or {}).items()}
+            if self.version >= self.target_steps:
+                self.steps_done.set()
+        elif kind == "GroupScoredEvent":
+            r = float(ev.get("reward_mean", 0.0))
+            self.rewards.append(r)
+            self.step_rewards.setdefault(self.version, []).append(r)
+        elif kind == "ExecutionEvent":
+            if ev.get("kind") == "KIND_STARTED":
+                self.executions["started"] += 1
+            elif ev.get("kind"):
+                self.executions["ended"] += 1
+                if not self.rewards:  # before any group is scored, show execution scores
+                    self.step_rewards.setdefault(self.version, []).append(execution_score(ev))
+        elif kind == "StepEvent":
+            self.num_steps_seen += 1
+            n = int(ev.get("num_completion_tokens", 0))
+            self.num_tokens += n
+            self._token_window.append((now, n))
+        elif kind == "LeaseEvent":
+            lease = ev.get("lease") or {}
+            state = lease.get("state", "")
+            role = ROLE_NAMES.get(lease.get("role", ""), "idle")
+            if state in ("LEASE_STATE_RELEASED", "LEASE_STATE_GRANTED"):
+                role = "switching"
+            if lease.get("device_id"):
+                self.roles[str(lease["device_id"])] = role
+        elif kind == "BatchReadyEvent":
+            self.num_batches += 1
+
+    def tokens_per_s(self, window_s: float = 10.0) -> float:
+        now = time.time()
+        while self._token_window and self._token_window[0][0] < now - window_s:
+            self._token_window.popleft()
+        span = min(window_s, max(now - self.started_at, 1e-6))
+        return sum(n for _, n in self._token_window) / span
+
+    def recent_reward(self) -> float | None:
+        for v in sorted(self.step_rewards, reverse=True):
+            if self.step_rewards[v]:
+                return statistics.fmean(self.step_rewards[v])
+        return None
+
+    def first_reward(self) -> float | None:
+        for v in sorted(self.step_rewards):
+            if self.step_rewards[v]:
+                return statistics.fmean(self.step_rewards[v])
+        return None
+
+    def role_summary(self) -> str:
+        counts: dict[str, int] = {}
+        for role in self.roles.values():
+            counts[role] = counts.get(role, 0) + 1
+        return " ".join(f"{role}={n}" for role, n in sorted(counts.items())) or "(no leases yet)"
+
+    def line(self) -> str:
+        r = self.recent_reward()
+        r0 = self.first_reward()
+        reward = f"{r:.3f} (step-0 {r0:.3f})" if r is not None and r0 is not None else "n/a"
+        loss = self.last_metrics.get("loss")
+        return (
+            f"step {self.version}/{self.target_steps}  reward {reward}  "
+            f"{'loss ' + format(loss, '.4f') + '  ' if loss is not None else ''}"
+            f"devices {self.role_summary()}  tokens/s {self.tokens_per_s():.0f}  "
+            f"executions {self.executions['ended']}/{self.executions['started']}  batches {self.num_batches}"
+        )
+
+
+class LiveProgress:
+    """Draws a RunTracker: rich bars on a terminal, one line per new trainer step otherwise."""
+
+    def __init__(self, tracker: RunTracker, console: Console | None = None) -> None:
+        self.tracker = tracker
+        self.console = console or Console()
+        self._interactive = self.console.is_terminal
+        self._progress = Progress(
+            TextColumn("[bold]trainer steps"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self._task = self._progress.add_task("steps", total=tracker.target_steps)
+        self._live: Live | None = None
+        self._printed_version = -1
+
+    def _table(self) -> Table:
+        t = self.tracker
+        table = Table.grid(padding=(0, 2))
+        r = t.recent_reward()
+        r0 = t.first_reward()
+        table.add_row(
+            "reward",
+            f"{r:.3f}" if r is not None else "n/a",
+            "first step",
+            f"{r0:.3f}" if r0 is not None else "n/a",
+        )
+        table.add_row("devices", t.role_summary(), "tokens/s", f"{t.tokens_per_s():.0f}")
+        table.add_row(
+            "executions",
+            f"{t.executions['ended']} ended / {t.executions['started']} started",
+            "LLM calls",
+            str(t.num_steps_seen),
+        )
+        loss = t.last_metrics.get("loss")
+        table.add_row("batches", str(t.num_batches), "loss", f"{loss:.4f}" if loss is not None else "n/a")
+        return table
+
+    def __enter__(self) -> LiveProgress:
+        if self._interactive:
+            self._live = Live(self._render(), console=self.console, refresh_per_second=4)
+            self._live.__enter__()
+        return self
+
+    def _render(self) -> Group:
+        return Group(self._progress, self._table())
+
+    def refresh(self) -> None:
+        """Redraw (terminal) or print a line when the trainer step advanced (non-terminal)."""
+        self._progress.update(self._task, completed=min(self.tracker.version, self.tracker.target_steps))
+        if self._live is not None:
+            self._live.update(self._render())
+        elif self.tracker.version != self._printed_version:
+            self._printed_version = self.tracker.version
+            self.console.print(self.tracker.line(), highlight=False)
+
+    async def run(self, interval_s: float = 0.5) -> None:
+        """Refresh every `interval_s` until cancelled."""
+        while True:
+            self.refresh()
+            await asyncio.sleep(interval_s)
+
+    def __exit__(self, *exc: object) -> None:
+        self.refresh()
+        if self._live is not None:
+            self._live.__exit__(None, None, None)

@@ -1,0 +1,51 @@
+"""`gyre compare` and the live-progress tracker on SYNTHETIC event logs (the `synthetic_run` fixture)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from gyre.job import compare
+from gyre.job.eventlog import EVENT_LOG_NAME, read_events
+from gyre.job.progress import LiveProgress, RunTracker
+
+
+def test_compare_prints_each_run_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], synthetic_run: Callable[..., Path]
+) -> None:
+    rising, flat = tmp_path / "rising", tmp_path / "flat"
+    synthetic_run(rising, num_steps=5, reward_slope=0.1)
+    synthetic_run(flat, num_steps=5, reward_slope=0.0)
+    assert compare.main([str(rising), str(flat), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out[str(rising)]["measured"]["learned"] is True
+    assert out[str(rising)]["measured"]["num_steps"] == 5
+    assert out[str(flat)]["predicted"] is None and "config.yaml" in out[str(flat)]["prediction_note"]
+    console = Console(record=True, width=160)
+    console.print(compare.compare_table([rising, flat]))
+    text = console.export_text()
+    assert "time per step" in text and "device idle fraction" in text and "reward_last20" in text
+
+
+def test_compare_rejects_a_directory_without_a_run(tmp_path: Path) -> None:
+    assert compare.main([str(tmp_path)]) == 2
+
+
+def test_tracker_reaches_the_target_step_and_prints_progress(
+    tmp_path: Path, synthetic_run: Callable[..., Path]
+) -> None:
+    synthetic_run(tmp_path, num_steps=3, reward_slope=0.1)
+    tracker = RunTracker(target_steps=3)
+    console = Console(record=True, force_terminal=False, width=200)
+    with LiveProgress(tracker, console) as live:
+        for record in read_events(tmp_path / EVENT_LOG_NAME):
+            tracker.update(record)
+            live.refresh()
+    assert tracker.steps_done.is_set()
+    assert tracker.step_versions == [1, 2, 3]
+    assert tracker.roles == {"cpu0-0": "rollout", "cpu0-1": "rollout", "cpu0-2": "rollout", "cpu0-3": "train"}
+    assert "step 3/3" in console.export_text()
