@@ -1,0 +1,41 @@
+"""The `job:` section of a run YAML: how `gyre run` drives a training job and when it stops."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from gyre.config import ConfigModel
+
+
+class JobConfig(ConfigModel):
+    """What `gyre run` does with a started deployment (the services read their own sections)."""
+
+    num_steps: int = Field(
+        20,
+        ge=1,
+        description="Trainer steps to run: the job stops once weight version `num_steps` is published.",
+    )
+    timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="Wall-clock limit of the job in seconds, startup included; past it the job stops, "
+        "writes the report of what happened and exits 1.",
+    )
+    group_size: int = Field(
+        4, ge=1, description="Executions per task (a group: advantages are computed within it)."
+    )
+    live_groups: int = Field(
+        4,
+        ge=0,
+        description="Groups the job keeps in flight: whenever fewer executions are live than "
+        "live_groups * group_size, it starts new tasks (Rollout.StartExecutions). 0: start none (the "
+        "rollout service or another client drives executions).",
+    )
+    poll_interval_s: float = Field(
+        0.5, gt=0, description="Seconds between the job's looks at the rollout service's live executions."
+    )
+    drain_s: float = Field(
+        3.0,
+        ge=0,
+        description="Seconds to keep recording after the last step, so in-flight events reach the log before stop.",
+    )

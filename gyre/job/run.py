@@ -1,0 +1,299 @@
+"""`gyre run CONFIG [--policy colocate|async|elastic] [--steps N] [--run-dir D]`: one training job.
+
+The job, on one screen:
+
+    config   = effective config (CONFIG + command-line overrides) -> <run_dir>/config.yaml
+    with Deployment(config):                 # NATS, Postgres, every service its own process
+        collector.start()                    # every event of the run -> <run_dir>/events.jsonl
+        keep `job.live_groups` groups of executions in flight (Rollout.StartExecutions)
+        until weight version `job.num_steps` is published (or `job.timeout_s`, or a service dies)
+        record the services' final counters -> <run_dir>/final_stats.json
+        collector.stop()                     # final sweep: nothing published is missing
+    report   = report.md + plots + summary.json from events.jsonl alone
+    print reward_first20 / reward_last20 with their 95% intervals and the verdict
+
+Exit status: 0 when the job reached its steps and the report was written; 1 when it stopped early
+(timeout, a service died) — the report of what happened is still written; 2 for a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gyre.config import load_common, load_section, load_yaml
+from gyre.errors import ConfigError, GyreError
+from gyre.job.config import JobConfig
+
+POLICIES = ("colocate", "async", "elastic")
+CONFIG_NAME = "config.yaml"
+FINAL_STATS_NAME = "final_stats.json"
+
+
+@dataclass
+class JobOutcome:
+    """What the drive loop ended with."""
+
+    reached_steps: bool
+    reason: str
+    final_stats: dict[str, Any] = field(default_factory=dict)
+
+
+def effective_config(
+    config_path: Path, *, policy: str | None, steps: int | None, run_dir: Path | None
+) -> dict[str, Any]:
+    """The run YAML with the command-line overrides applied (validated as far as the job's own parts)."""
+    raw = load_yaml(config_path)
+    if policy is not None:
+        raw.setdefault("scheduler", {})
+        if not isinstance(raw["scheduler"], dict):
+            raise ConfigError("section 'scheduler' must be a mapping")
+        raw["scheduler"]["policy"] = policy
+    if steps is not None:
+        raw.setdefault("job", {})["num_steps"] = steps
+    if run_dir is not None:
+        raw["run_dir"] = str(run_dir)
+    load_common(data=raw)
+    load_section(JobConfig, "job", data=raw)
+    return raw
+
+
+def prepare_run_dir(run_dir: Path) -> Path | None:
+    """An empty run directory; a previous run's directory is kept, renamed with its time. Returns that name."""
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(run_dir.stat().st_mtime))
+    old = run_dir.with_name(f"{run_dir.name}.{stamp}")
+    n = 1
+    while old.exists():
+        old = run_dir.with_name(f"{run_dir.name}.{stamp}-{n}")
+        n += 1
+    shutil.move(str(run_dir), str(old))
+    run_dir.mkdir(parents=True)
+    return old
+
+
+# ---------------------------------------------------------------------------------------------
+# the drive loop (asyncio, inside a started Deployment)
+
+
+async def _keep_executions_live(rollout_address: str, job: JobConfig) -> None:
+    """Start tasks whenever fewer than live_groups * group_size executions are live (until cancelled)."""
+    from gyre import rpc
+    from gyre.v1 import rollout_pb2, rollout_pb2_grpc
+
+    target = job.live_groups * job.group_size
+    async with rpc.channel(rollout_address) as channel:
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        while True:
+            status = await stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
+            deficit = target - status.live_executions
+            if deficit >= job.group_size:
+                await stub.StartExecutions(
+                    rollout_pb2.StartExecutionsRequest(
+                        num_tasks=deficit // job.group_size, group_size=job.group_size
+                    ),
+                    timeout=30,
+                )
+            await asyncio.sleep(job.poll_interval_s)
+
+
+async def collect_final_stats(endpoints: Any, run_id: str) -> dict[str, Any]:
+    """Counters of every service at the end of the run (whatever answers within a few seconds)."""
+    from google.protobuf import json_format
+
+    from gyre import rpc
+    from gyre.v1 import (
+        rollout_pb2,
+        rollout_pb2_grpc,
+        scheduler_pb2,
+        scheduler_pb2_grpc,
+        trainer_pb2,
+        trainer_pb2_grpc,
+        trajectory_pb2,
+        trajectory_pb2_grpc,
+    )
+
+    calls = {
+        "trajectory": (
+            trajectory_pb2_grpc.TrajectoryStub,
+            "GetStats",
+            trajectory_pb2.GetStatsRequest(run_id=run_id),
+        ),
+        "trainer": (trainer_pb2_grpc.TrainerStub, "GetStatus", trainer_pb2.TrainerStatusRequest()),
+        "rollout": (rollout_pb2_grpc.RolloutStub, "GetStatus", rollout_pb2.GetStatusRequest()),
+        "scheduler": (scheduler_pb2_grpc.SchedulerStub, "GetPool", scheduler_pb2.GetPoolRequest()),
+    }
+    out: dict[str, Any] = {}
+    for name, (stub_cls, method, request) in calls.items():
+        service = endpoints.services.get(name)
+        if service is None:
+            continue
+        try:
+            async with rpc.channel(service.grpc_address) as channel:
+                reply = await getattr(stub_cls(channel), method)(request, timeout=10)
+            out[name] = json_format.MessageToDict(reply, preserving_proto_field_name=True)
+        except Exception as exc:  # a counter we cannot read is reported, not fatal
+            out[name] = {"error": repr(exc)}
+    return out
+
+
+async def drive(deployment: Any, common: Any, job: JobConfig, run_dir: Path, *, started: float) -> JobOutcome:
+    """Record events, keep executions live and wait for the last step (see the module docstring)."""
+    from gyre.bus import Bus
+    from gyre.job.collector import EventCollector
+    from gyre.job.progress import LiveProgress, RunTracker
+
+    endpoints = deployment.endpoints
+    bus = await Bus.connect(endpoints.nats_url, name="job")
+    tracker = RunTracker(job.num_steps)
+    collector = EventCollector(bus, common.run_id, run_dir)
+    collector.on_event(tracker.update)
+    tasks: list[asyncio.Task[Any]] = []
+    outcome = JobOutcome(False, "")
+    try:
+        await collector.start()
+        with LiveProgress(tracker) as live:
+            tasks.append(asyncio.create_task(live.run(), name="progress"))
+            rollout = endpoints.services.get("rollout")
+            if rollout is not None and job.live_groups > 0:
+                tasks.append(
+                    asyncio.create_task(_keep_executions_live(rollout.grpc_address, job), name="driver")
+                )
+            deadline = started + job.timeout_s
+            while True:
+                if tracker.steps_done.is_set():
+                    outcome = JobOutcome(True, f"weight version {tracker.version} published")
+                    break
+                if time.time() > deadline:
+                    outcome = JobOutcome(
+                        False, f"timeout after {job.timeout_s:.0f} s at step {tracker.version}"
+                    )
+                    break
+                dead = deployment.dead_services()
+                if dead:
+                    names = ", ".join(f"{p.name} (status {p.returncode}, log {p.log_path})" for p in dead)
+                    outcome = JobOutcome(False, f"service died: {names}")
+                    break
+                for task in tasks:
+                    if task.done() and not task.cancelled() and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+                await asyncio.sleep(0.2)
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await asyncio.sleep(job.drain_s)
+            outcome.final_stats = await collect_final_stats(endpoints, common.run_id)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await collector.stop()
+        await bus.close()
+    return outcome
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def _print_headline(lines: list[str]) -> None:
+    for line in lines:
+        print(line, flush=True)
+
+
+def run_job(
+    config_path: Path, *, policy: str | None = None, steps: int | None = None, run_dir: Path | None = None
+) -> int:
+    """Run one job end to end (see the module docstring); return the exit status."""
+    from gyre.job.report import build_report, headline
+    from gyre.launcher.deployment import Deployment, DeploymentError
+
+    raw = effective_config(config_path, policy=policy, steps=steps, run_dir=run_dir)
+    common = load_common(data=raw)
+    job = load_section(JobConfig, "job", data=raw)
+    out_dir = Path(common.run_dir).resolve()
+    moved = prepare_run_dir(out_dir)
+    if moved is not None:
+        print(f"previous run in {out_dir} moved to {moved}", flush=True)
+    raw["run_dir"] = str(out_dir)
+    effective = out_dir / CONFIG_NAME
+    effective.write_text(yaml.safe_dump(raw, sort_keys=False))
+    policy_name = (raw.get("scheduler") or {}).get("policy", "default")
+    print(
+        f"gyre run: run_id={common.run_id} policy={policy_name} steps={job.num_steps} run_dir={out_dir}",
+        flush=True,
+    )
+    started = time.time()
+    try:
+        with Deployment(
+            effective, run_dir=out_dir, on_progress=lambda line: print(f"  {line}", flush=True)
+        ) as dep:
+            print(
+                f"deployment up in {time.time() - started:.1f} s; endpoints in {out_dir / 'endpoints.json'}"
+            )
+            outcome = asyncio.run(drive(dep, common, job, out_dir, started=started))
+    except DeploymentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if not (out_dir / "events.jsonl").is_file():
+            return 1
+        outcome = JobOutcome(False, f"deployment failed: {exc.service}")
+    wall_s = time.time() - started
+    (out_dir / FINAL_STATS_NAME).write_text(json.dumps(outcome.final_stats, indent=2, sort_keys=True) + "\n")
+    print(f"job ended: {outcome.reason} ({wall_s:.0f} s); writing the report", flush=True)
+    try:
+        report = build_report(
+            out_dir,
+            extra={
+                "job_wall_s": wall_s,
+                "job_completed": outcome.reached_steps,
+                "job_end_reason": outcome.reason,
+            },
+            seed=common.seed,
+        )
+    except ValueError as exc:
+        print(f"error: no report: {exc}", file=sys.stderr)
+        return 1
+    _print_headline(headline(report.analysis))
+    tps = report.analysis.time_per_step_s
+    print(
+        f"report: {report.report_path}  (plots in {out_dir / 'plots'}; "
+        f"{'n/a' if math.isnan(tps) else f'{tps:.1f}'} s per step)",
+        flush=True,
+    )
+    return 0 if outcome.reached_steps else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gyre run", description=__doc__.splitlines()[0])
+    parser.add_argument("config", type=Path, help="run YAML (e.g. examples/quickstart.yaml)")
+    parser.add_argument("--policy", choices=POLICIES, help="scheduling policy (overrides scheduler.policy)")
+    parser.add_argument("--steps", type=int, help="trainer steps to run (overrides job.num_steps)")
+    parser.add_argument("--run-dir", type=Path, help="run directory (overrides run_dir)")
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be >= 1")
+    try:
+        return run_job(args.config, policy=args.policy, steps=args.steps, run_dir=args.run_dir)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except GyreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: every service was stopped", file=sys.stderr)
+        return 130
