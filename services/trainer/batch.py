@@ -1,0 +1,181 @@
+"""`PackedBatch`: the trainer's view of a tree-packed batch (one or more BatchChunk messages).
+
+Chunks hold whole trees and their node indices are chunk-local; `from_chunks` concatenates them
+into one sequence (offsets and parents shifted), validating every array. `split` cuts a batch into
+data-parallel shards at tree boundaries, balancing tokens. The loss is a *sum* over tokens, so
+shard losses (and gradients) add up to the batch's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gyre.errors import InvalidArgument
+from gyre.v1 import trajectory_pb2
+
+_PER_TOKEN = (
+    "token_ids",
+    "position_ids",
+    "loss_mask",
+    "weight_pos",
+    "weight_neg",
+    "kl_weight",
+    "behaviour_logprobs",
+    "policy_versions",
+)
+
+
+@dataclass
+class PackedBatch:
+    """Per-token tensors [T] plus ancestry arrays (see proto BatchChunk)."""
+
+    batch_id: str
+    token_ids: torch.Tensor
+    position_ids: torch.Tensor
+    node_offsets: list[int]
+    node_lengths: list[int]
+    node_parents: list[int]
+    loss_mask: torch.Tensor
+    weight_pos: torch.Tensor
+    weight_neg: torch.Tensor
+    kl_weight: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    policy_versions: torch.Tensor
+    num_paths: int = 0
+    num_flat_tokens: int = 0
+    reward_sum: float = 0.0
+    group_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> PackedBatch:
+        """Float arrays in `dtype`, everything on `device`."""
+        out = dict(self.__dict__)
+        for name in _PER_TOKEN:
+            t = getattr(self, name)
+            out[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        return PackedBatch(**out)
+
+    def tree_ranges(self) -> list[tuple[int, int]]:
+        """(first node, end node) of each tree: a root and the nodes after it up to the next root."""
+        roots = [i for i, p in enumerate(self.node_parents) if p < 0]
+        return list(zip(roots, roots[1:] + [len(self.node_parents)], strict=True))
+
+    def select_trees(self, ranges: Sequence[tuple[int, int]]) -> PackedBatch:
+        """A batch of the given trees only (node indices renumbered)."""
+        token_idx: list[torch.Tensor] = []
+        offsets, lengths, parents = [], [], []
+        for a, b in ranges:
+            shift_nodes = len(offsets) - a
+            for i in range(a, b):
+                offsets.append(sum(lengths))
+                lengths.append(self.node_lengths[i])
+                p = self.node_parents[i]
+                parents.append(p + shift_nodes if p >= 0 else -1)
+                token_idx.append(
+                    torch.arange(self.node_offsets[i], self.node_offsets[i] + self.node_lengths[i])
+                )
+        idx = torch.cat(token_idx) if token_idx else torch.zeros(0, dtype=torch.long)
+        fields = {name: getattr(self, name)[idx] for name in _PER_TOKEN}
+        return PackedBatch(
+            self.batch_id, node_offsets=offsets, node_lengths=lengths, node_parents=parents, **fields
+        )
+
+    def split(self, num_shards: int) -> list[PackedBatch]:
+        """`num_shards` batches of whole trees with balanced token counts (some may be empty)."""
+        trees = self.tree_ranges()
+        sizes = [sum(self.node_lengths[a:b]) for a, b in trees]
+        shards: list[list[tuple[int, int]]] = [[] for _ in range(num_shards)]
+        load = [0] * num_shards
+        for t in sorted(range(len(trees)), key=lambda i: -sizes[i]):
+            s = load.index(min(load))
+            shards[s].append(trees[t])
+            load[s] += sizes[t]
+        return [self.select_trees(sorted(s)) for s in shards]
+
+
+def from_chunks(chunks: Sequence[trajectory_pb2.BatchChunk]) -> PackedBatch:
+    """Concatenate the chunks of one batch; InvalidArgument on ragged or non-finite arrays."""
+    if not chunks:
+        raise InvalidArgument("a batch needs at least one chunk")
+    batch_id = chunks[0].batch_id
+    cols: dict[str, list] = {name: [] for name in _PER_TOKEN}
+    offsets: list[int] = []
+    lengths: list[int] = []
+    parents: list[int] = []
+    num_paths = num_flat = 0
+    reward = 0.0
+    groups: list[str] = []
+    for c in chunks:
+        if c.batch_id != batch_id:
+            raise InvalidArgument(f"chunk of batch {c.batch_id!r} inside batch {batch_id!r}")
+        n = len(c.token_ids)
+        for name in _PER_TOKEN:
+            arr = list(getattr(c, name))
+            if len(arr) != n:
+                raise InvalidArgument(
+                    f"batch {batch_id} chunk {c.chunk_index}: {name} has {len(arr)} values for {n} tokens"
+                )
+            if name in ("weight_pos", "weight_neg", "kl_weight", "behaviour_logprobs") and not all(
+                math.isfinite(x) for x in arr
+            ):
+                raise InvalidArgument(f"batch {batch_id} chunk {c.chunk_index}: {name} holds NaN or infinity")
+            cols[name].extend(arr)
+        if not len(c.node_offsets) == len(c.node_lengths) == len(c.node_parents):
+            raise InvalidArgument(f"batch {batch_id} chunk {c.chunk_index}: node arrays differ in length")
+        base_tok, base_node = len(cols["token_ids"]) - n, len(offsets)
+        offsets.extend(o + base_tok for o in c.node_offsets)
+        lengths.extend(c.node_lengths)
+        parents.extend(p + base_node if p >= 0 else -1 for p in c.node_parents)
+        num_paths += c.num_paths
+        num_flat += c.num_flat_tokens
+        reward += c.reward_sum
+        groups.extend(c.group_ids)
+    return PackedBatch(
+        batch_id,
+        token_ids=torch.tensor(cols["token_ids"], dtype=torch.long),
+        position_ids=torch.tensor(cols["position_ids"], dtype=torch.long),
+        node_offsets=offsets,
+        node_lengths=lengths,
+        node_parents=parents,
+        loss_mask=torch.tensor(cols["loss_mask"], dtype=torch.bool),
+        weight_pos=torch.tensor(cols["weight_pos"], dtype=torch.float32),
+        weight_neg=torch.tensor(cols["weight_neg"], dtype=torch.float32),
+        kl_weight=torch.tensor(cols["kl_weight"], dtype=torch.float32),
+        behaviour_logprobs=torch.tensor(cols["behaviour_logprobs"], dtype=torch.float32),
+        policy_versions=torch.tensor(cols["policy_versions"], dtype=torch.long),
+        num_paths=num_paths,
+        num_flat_tokens=num_flat,
+        reward_sum=reward,
+        group_ids=groups,
+    )
+
+
+def to_chunk(batch: PackedBatch, chunk_index: int = 0, last: bool = True) -> trajectory_pb2.BatchChunk:
+    """The BatchChunk message of a batch (tests and benchmarks produce batches with it)."""
+    return trajectory_pb2.BatchChunk(
+        batch_id=batch.batch_id,
+        chunk_index=chunk_index,
+        last=last,
+        token_ids=batch.token_ids.tolist(),
+        position_ids=batch.position_ids.tolist(),
+        node_offsets=batch.node_offsets,
+        node_lengths=batch.node_lengths,
+        node_parents=batch.node_parents,
+        loss_mask=batch.loss_mask.int().tolist(),
+        weight_pos=batch.weight_pos.tolist(),
+        weight_neg=batch.weight_neg.tolist(),
+        kl_weight=batch.kl_weight.tolist(),
+        behaviour_logprobs=batch.behaviour_logprobs.tolist(),
+        policy_versions=batch.policy_versions.tolist(),
+        num_paths=batch.num_paths,
+        num_flat_tokens=batch.num_flat_tokens,
+        reward_sum=batch.reward_sum,
+        group_ids=batch.group_ids,
+    )
