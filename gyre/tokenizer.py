@@ -91,7 +91,8 @@ def decode(ids: Iterable[int], *, skip_special: bool = True) -> str:
     return out.decode("utf-8", errors="replace")
 
 
-def _message_ids(message: dict[str, Any]) -> list[int]:
+def message_ids(message: dict[str, Any]) -> list[int]:
+    """Token ids of one message under the chat template (role token ... `<eos>`)."""
     role = message.get("role")
     if role not in ROLE_TOKENS:
         raise InvalidArgument(f"message role must be one of {sorted(ROLE_TOKENS)}, got {role!r}")
@@ -121,7 +122,7 @@ def apply_chat_template(
     """
     ids = [BOS]
     for m in messages:
-        ids += _message_ids(m)
+        ids += message_ids(m)
     if add_generation_prompt:
         ids.append(ASSISTANT)
     return ids

@@ -9,7 +9,7 @@ from services.rollout.engines.base import GenerationRequest, Sampling
 from services.rollout.engines.torch_engine import TorchEngine
 from services.rollout.router import Router
 
-CFG = ModelConfig()
+CFG = ModelConfig.model_validate({})
 
 
 async def started(engine_id: str, device_id: str) -> TorchEngine:
@@ -62,7 +62,7 @@ async def test_migration_mid_generation_is_token_exact_against_one_engine() -> N
         await router.add_engine(await started(f"e{d}", f"cpu0-{d}"))
     calls = [asyncio.create_task(router.generate(request(i, max_tokens=48))) for i in range(8)]
     # Take both devices away mid-generation, with a gap where no engine exists (requests park).
-    while sum(e.tokens_generated for e in router.engines.values()) < 40:
+    while sum(e.tokens_generated for e in router.engines.values()) < 40:  # noqa: ASYNC110 - polling a counter
         await asyncio.sleep(0.005)
     await router.remove_engine("cpu0-0")
     await router.remove_engine("cpu0-1")

@@ -58,7 +58,7 @@ class TorchEngine(Engine):
         initial_weights: common_pb2.WeightVersion | None = None,
     ) -> None:
         self.engine_id, self.device_id = engine_id, device_id
-        self.model_config = model_config or ModelConfig()
+        self.model_config = model_config or ModelConfig.model_validate({})
         self.torch_device = torch.device(torch_device)
         self.max_batch = max_batch
         self.init_seed = init_seed
