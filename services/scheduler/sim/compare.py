@@ -1,0 +1,127 @@
+"""Run the three policies on one workload at equal work and compare them.
+
+Equal work: every policy trains exactly the same sampled executions, batch k at step k, each in
+full (no policy trains on unfinished executions, so none needs the partial-scoring option).
+Async and Elastic share the workload's staleness bound; Colocate is synchronous (0). The Async
+baseline is the best fixed split: every split from 1 to units-1 rollout units is simulated and the
+fastest wins (ties: fewer rollout units).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Policy
+from services.scheduler.sim.cost import CostModel
+from services.scheduler.sim.engine import SimResult, Simulation
+from services.scheduler.sim.sample import ExecutionPlan, sample_executions
+from services.scheduler.sim.workload import Workload
+
+
+def _prepared(w: Workload) -> tuple[list[list[ExecutionPlan]], CostModel]:
+    return _prepared_json(w.model_dump_json())
+
+
+@lru_cache(maxsize=8)
+def _prepared_json(workload_json: str) -> tuple[list[list[ExecutionPlan]], CostModel]:
+    w = Workload.model_validate_json(workload_json)
+    execs = sample_executions(w)
+    flat = [e.final_context for step in execs for e in step]
+    return execs, CostModel(w, sum(flat) / len(flat))
+
+
+def simulate(w: Workload, policy: Policy) -> SimResult:
+    """One simulated run of `policy` on `w` (trajectories sampled once per workload and reused)."""
+    execs, cost = _prepared(w)
+    return Simulation(policy, cost, execs).run()
+
+
+def sweep_async(w: Workload) -> tuple[SimResult, int, dict[int, float]]:
+    """Every fixed split; returns the best run, its rollout-unit count and time/step per split."""
+    times: dict[int, float] = {}
+    best: tuple[SimResult, int] | None = None
+    for n in range(1, w.num_units):
+        r = simulate(w, AsyncPolicy(n, staleness_bound=w.staleness_bound))
+        times[n] = r.time_per_step_s
+        if best is None or r.time_per_step_s < best[0].time_per_step_s:
+            best = (r, n)
+    assert best is not None
+    return best[0], best[1], times
+
+
+def _summary(r: SimResult) -> dict[str, Any]:
+    return {
+        "time_per_step_s": round(r.time_per_step_s, 1),
+        "device_utilization": round(r.device_utilization, 4),
+        "max_staleness": r.max_staleness,
+        "num_migrations": r.num_migrations,
+        "num_role_changes": r.num_role_changes,
+        "num_parked": r.num_parked,
+    }
+
+
+@dataclass
+class Comparison:
+    workload: Workload
+    results: dict[str, SimResult]
+    best_async_units: int
+    async_sweep: dict[int, float]
+
+    def to_json(self) -> dict[str, Any]:
+        w = self.workload
+        c, a, e = (self.results[k] for k in ("colocate", "async", "elastic"))
+        out: dict[str, Any] = {"workload": w.name}
+        for name, r in self.results.items():
+            out[name] = _summary(r)
+        out["colocate"]["rollout_share"] = round(c.rollout_share, 4)
+        out["colocate"]["tail_share"] = round(c.tail_share, 4)
+        out["speedup_vs_colocate"] = round(c.time_per_step_s / e.time_per_step_s, 3)
+        out["speedup_vs_async"] = round(a.time_per_step_s / e.time_per_step_s, 3)
+        out["best_async_split"] = {
+            "rollout_devices": self.best_async_units * w.devices_per_unit,
+            "train_devices": (w.num_units - self.best_async_units) * w.devices_per_unit,
+        }
+        out["async_sweep_time_per_step_s"] = {
+            f"{n * w.devices_per_unit}/{(w.num_units - n) * w.devices_per_unit}": round(t, 1)
+            for n, t in self.async_sweep.items()
+        }
+        out["staleness_bound"] = w.staleness_bound
+        out["engine_slots"] = c.extra["engine_slots"]
+        out["devices_per_unit"] = w.devices_per_unit
+        out["trains_on_unfinished_executions"] = False
+        return out
+
+
+def compare(w: Workload) -> Comparison:
+    """Colocate, best Async split and Elastic on `w`."""
+    a, n, sweep = sweep_async(w)
+    results = {
+        "colocate": simulate(w, ColocatePolicy()),
+        "async": a,
+        "elastic": simulate(w, ElasticPolicy(staleness_bound=w.staleness_bound)),
+    }
+    return Comparison(w, results, n, sweep)
+
+
+def predict(w: Workload, policy: str, num_rollout_devices: int | None = None) -> dict[str, Any]:
+    """The simulator's prediction for one policy on a (small) workload: time_per_step_s,
+    device_utilization, max_staleness, ... For `async`, the split is `num_rollout_devices` if given
+    (rounded down to whole units), else the best split from a sweep."""
+    if policy == "colocate":
+        r = simulate(w, ColocatePolicy())
+    elif policy == "elastic":
+        r = simulate(w, ElasticPolicy(staleness_bound=w.staleness_bound))
+    elif policy == "async":
+        if num_rollout_devices is None:
+            r, n, _ = sweep_async(w)
+        else:
+            n = max(1, min(w.num_units - 1, num_rollout_devices // w.devices_per_unit))
+            r = simulate(w, AsyncPolicy(n, staleness_bound=w.staleness_bound))
+        out = _summary(r)
+        out["rollout_devices"] = n * w.devices_per_unit
+        return out
+    else:
+        raise ValueError(f"unknown policy {policy!r}; choose colocate, async or elastic")
+    return _summary(r)

@@ -1,0 +1,351 @@
+"""Workload and cluster description of a simulation: the documented YAML schema (see docs/simulator.md).
+
+Tags in comments say where a default comes from, as in /work/shared/reference/scheduling-and-workloads.md:
+[S] the number is in a public source (named), [D] derived from published specs by stated arithmetic,
+[G] a guess or a modelling choice, fitted where it says so. Change any of them in a workload file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LatencyComponent(_Strict):
+    """One component of the environment-latency mixture (seconds per environment action)."""
+
+    weight: float = Field(..., gt=0, description="Relative probability of this component.")
+    kind: Literal["lognormal", "uniform", "constant"] = Field(..., description="Distribution family.")
+    a: float = Field(..., ge=0, description="lognormal: median s; uniform: low s; constant: value s.")
+    b: float = Field(
+        default=0.0, ge=0, description="lognormal: sigma of log; uniform: high s; constant: unused."
+    )
+
+
+class Domain(_Strict):
+    """A family of tasks: how long its executions are, how many turns, how slow its environment."""
+
+    name: str = Field(..., description="Domain name, for reports.")
+    weight: float = Field(
+        default=1.0, gt=0, description="Share of the tasks of a step drawn from this domain."
+    )
+    context_median_tokens: float = Field(
+        ..., gt=0, description="Median final context of an execution (tokens)."
+    )
+    context_sigma: float = Field(..., ge=0, description="Sigma of log final context (LogNormal).")
+    context_cap_tokens: float = Field(
+        ..., gt=0, description="Hard cap on final context (tokens); longer ones are truncated."
+    )
+    group_correlation: float = Field(
+        default=0.5, ge=0, le=1, description="Share of log-length variance common to a task's group (rho)."
+    )
+    generated_fraction: float = Field(
+        default=0.3,
+        gt=0,
+        le=1,
+        description="Mean share of the final context the model generated (rest: prompt + observations).",
+    )
+    tokens_per_turn: float = Field(
+        ..., gt=0, description="Mean tokens (generated + observed) per turn; sets the turn count."
+    )
+    turn_size_sigma: float = Field(
+        default=1.0, ge=0, description="Sigma of log per-turn size (LogNormal shares)."
+    )
+    environment: list[LatencyComponent] = Field(
+        default_factory=list,
+        description="Environment latency mixture after each turn; empty = no environment.",
+    )
+    task_env_scale_sigma: float = Field(
+        default=0.0,
+        ge=0,
+        description="Sigma of a per-task LogNormal(1) multiplier on every environment latency.",
+    )
+    execution_env_scale_sigma: float = Field(
+        default=0.0,
+        ge=0,
+        description="Sigma of a per-execution LogNormal(1) multiplier on its environment latencies.",
+    )
+    env_cap_s: float = Field(
+        default=1800.0, gt=0, description="Tool timeout: no environment action lasts longer (s)."
+    )
+
+
+class ModelSpec(_Strict):
+    """The policy model, as far as costs go."""
+
+    params: float = Field(..., gt=0, description="Parameters N (dense, or active for MoE compute).")
+    weight_bytes: float = Field(..., gt=0, description="Bytes of weights read per decode step (BF16: 2N).")
+    kv_bytes_per_token: float = Field(
+        ..., gt=0, description="KV cache bytes per token of context, all layers."
+    )
+    num_layers: int = Field(..., gt=0, description="Transformer layers (attention FLOPs).")
+    attention_dim: int = Field(..., gt=0, description="Query heads x head dim (attention FLOPs).")
+
+
+class HardwareSpec(_Strict):
+    """One accelerator kind."""
+
+    hbm_bytes: float = Field(..., gt=0, description="HBM per device (bytes).")
+    hbm_bandwidth_bytes_s: float = Field(..., gt=0, description="HBM bandwidth per device (bytes/s).")
+    bandwidth_efficiency: float = Field(
+        default=0.8, gt=0, le=1, description="Achieved share of HBM bandwidth in decode."
+    )
+    peak_flops: float = Field(..., gt=0, description="Dense BF16 peak per device (FLOP/s).")
+    migration_bandwidth_bytes_s: float = Field(
+        ..., gt=0, description="KV copy bandwidth between two engines (bytes/s)."
+    )
+    kv_memory_reserve: float = Field(
+        default=0.1, ge=0, lt=1, description="Share of HBM kept for activations, graphs, fragmentation."
+    )
+
+
+class CostSpec(_Strict):
+    """Costs of training, switching, syncing and migrating."""
+
+    train_mfu: float = Field(default=0.40, gt=0, le=1, description="Model FLOPs utilization of training.")
+    prefill_mfu: float = Field(
+        default=0.40, gt=0, le=1, description="Model FLOPs utilization of incremental prefill."
+    )
+    switch_rollout_to_train_s: float = Field(
+        default=10.0, ge=0, description="Whole-pool switch rollout -> train (s)."
+    )
+    switch_train_to_rollout_s: float = Field(
+        default=10.0, ge=0, description="Whole-pool switch train -> rollout incl. refit (s)."
+    )
+    elastic_role_change_s: float = Field(
+        default=15.0, ge=0, description="One engine unit changing role inside a running job (s)."
+    )
+    weight_sync_s: float = Field(
+        default=2.5, ge=0, description="Pushing a new version to rollout engines, engines stall (s)."
+    )
+    migration_overhead_s: float = Field(
+        default=0.15, ge=0, description="Control overhead of one live migration (s)."
+    )
+    planning_context_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Slots per engine are sized for this share of the mean final context (time-averaged KV).",
+    )
+
+
+class Workload(_Strict):
+    """A whole simulated job: cluster, model, batch shape, task domains and costs."""
+
+    name: str = Field(..., description="Workload name.")
+    description: str = Field(default="", description="One line for reports.")
+    num_devices: int = Field(default=64, gt=0, description="Accelerators in the pool.")
+    devices_per_unit: int = Field(
+        default=4, gt=0, description="Devices per scheduling unit = one inference engine (TP size)."
+    )
+    tasks_per_step: int = Field(default=8, gt=0, description="Tasks (prompts) per training step.")
+    group_size: int = Field(default=8, gt=0, description="Executions per task (GRPO group).")
+    num_steps: int = Field(default=8, gt=1, description="Training steps simulated.")
+    warmup_steps: int = Field(
+        default=2, ge=0, description="Steps excluded from time-per-step (pipeline fill)."
+    )
+    staleness_bound: int = Field(
+        default=1, ge=0, description="Shared by async and elastic; colocate is 0 by construction."
+    )
+    seed: int = Field(
+        default=0,
+        ge=0,
+        description="Seed of the trajectory sampler; every policy sees the same trajectories.",
+    )
+    domains: list[Domain] = Field(..., min_length=1, description="Task families; tasks are split by weight.")
+    model: ModelSpec
+    hardware: HardwareSpec
+    costs: CostSpec = Field(default_factory=CostSpec)
+
+    @model_validator(mode="after")
+    def _check(self) -> Workload:
+        if self.num_devices % self.devices_per_unit:
+            raise ValueError(
+                f"num_devices ({self.num_devices}) must be a multiple of devices_per_unit ({self.devices_per_unit})"
+            )
+        if self.num_devices // self.devices_per_unit < 2:
+            raise ValueError("need at least 2 scheduling units (num_devices / devices_per_unit >= 2)")
+        if self.warmup_steps >= self.num_steps - 1:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must be < num_steps - 1 ({self.num_steps - 1})"
+            )
+        if self.model.weight_bytes >= self.hardware.hbm_bytes * self.devices_per_unit * (
+            1 - self.hardware.kv_memory_reserve
+        ):
+            raise ValueError("model weights do not fit on one engine unit; raise devices_per_unit")
+        return self
+
+    @property
+    def num_units(self) -> int:
+        return self.num_devices // self.devices_per_unit
+
+    @property
+    def executions_per_step(self) -> int:
+        return self.tasks_per_step * self.group_size
+
+
+def load_workload_file(path: str | Path) -> Workload:
+    """Parse a workload YAML file (schema: `Workload`); errors name the field."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"workload file {path} must hold a mapping")
+    return Workload.model_validate(data)
+
+
+# --- built-in models and hardware -------------------------------------------------------------------------
+
+# Qwen3-32B-like dense model [D]: 64 layers, 8 KV heads x 128 head dim x 2 (K,V) x 2 bytes = 256 KiB/token;
+# 64 query heads x 128 = 8192 attention dim (config recalled, see reference §3.3 — verify against the real config).
+MODEL_32B = ModelSpec(
+    params=32e9, weight_bytes=64e9, kv_bytes_per_token=262_144, num_layers=64, attention_dim=8192
+)
+# Llama-3-8B-like model [D]: 32 layers x 8 KV heads x 128 x 2 x 2 bytes = 128 KiB/token; 32 x 128 = 4096.
+MODEL_8B = ModelSpec(
+    params=8e9, weight_bytes=16e9, kv_bytes_per_token=131_072, num_layers=32, attention_dim=4096
+)
+
+# H200 SXM: 141 GB HBM3e, 4.8 TB/s [S: NVIDIA MLPerf system file, reference §5]; 989 TFLOP/s dense BF16
+# [G: spec memory, reference §5]; bandwidth efficiency 0.8 [G, reference §3.4 says 0.7-0.85]; engine-to-engine
+# KV copy over 4 x 400 Gb/s NICs = 200 GB/s [D from S: 10 x 400 Gb/s IB per node, reference §5].
+H200 = HardwareSpec(
+    hbm_bytes=141e9,
+    hbm_bandwidth_bytes_s=4.8e12,
+    bandwidth_efficiency=0.8,
+    peak_flops=989e12,
+    migration_bandwidth_bytes_s=200e9,
+    kv_memory_reserve=0.1,  # [G]
+)
+
+# Costs [reference §6.2]: train MFU 0.40 [S: Megatron-Core up to 47% on H100, lowered for 700K contexts, G];
+# colocate switches 10 s each way [S: vLLM sleep L1 1-6 s + trainer onload 1-15 s (NeMo-RL), midpoints];
+# elastic role change of one unit 15 s [S/G: reference gives 2-20 s]; weight sync 2.5 s [D: 64 GB / 50 GB/s
+# + ~1 s overhead; S: <1.3 s for 1T over RDMA]; migration overhead 0.15 s [D: 50-200 ms control].
+DEFAULT_COSTS = CostSpec()
+
+# Environment mixture [S-informed G, reference §6.1]: 80% file edits/greps LogNormal(0.4 s, 0.6) (Daytona
+# 0.26-0.6 s/action), 18% test/build runs Uniform(10, 60) s, 2% long experiments LogNormal(300 s, 1.0).
+AGENT_ENV = [
+    LatencyComponent(weight=0.80, kind="lognormal", a=0.4, b=0.6),
+    LatencyComponent(weight=0.18, kind="uniform", a=10.0, b=60.0),
+    LatencyComponent(weight=0.02, kind="lognormal", a=300.0, b=1.0),
+]
+
+XLONG = Workload(
+    name="xlong",
+    description="QwenGyre setting: ~700K tokens/rollout (cap 1M), hundreds of turns, 64 H200, 32B model",
+    num_devices=64,  # [S: the brief / paper setting]
+    devices_per_unit=4,  # [D] TP=4: 564 GB holds 64 GB weights + ~4 sequences at the time-averaged 350K context
+    tasks_per_step=8,  # [G] 8 tasks x 8 samples (GRPO n=8-16, reference §6.1)
+    group_size=8,
+    num_steps=8,
+    warmup_steps=2,
+    staleness_bound=1,
+    domains=[
+        Domain(
+            name="long-horizon-agent",
+            # [G, fitted to the brief]: LogNormal(median 600K, sigma 0.5) capped at 1M gives mean ~650-700K.
+            context_median_tokens=600_000,
+            context_sigma=0.5,
+            context_cap_tokens=1_000_000,
+            group_correlation=0.5,  # [S qualitative: Seer, same-prompt lengths similar; value G]
+            generated_fraction=0.3,  # [G, reference §6.1]
+            tokens_per_turn=2_500,  # [G] -> ~270 turns on average (KLong: 115-733 assistant turns [S])
+            turn_size_sigma=1.0,  # [G]
+            environment=AGENT_ENV,
+            # [G, fitted]: per-task (slow test suites) and per-execution (an agent stuck in long runs)
+            # environment slowness; chosen so that under colocate the last 10% of executions take >= 40% of
+            # rollout time (Seer: up to 50% [S]) and rollout is 70-90% of the step (Seer, RollPacker [S]).
+            task_env_scale_sigma=0.4,
+            execution_env_scale_sigma=1.2,
+            env_cap_s=1800.0,  # [G] tool timeout
+        )
+    ],
+    model=MODEL_32B,
+    hardware=H200,
+    costs=DEFAULT_COSTS,
+)
+
+REASONING = Workload(
+    name="reasoning",
+    description="Single-turn math/code reasoning: median 8K generated tokens, cap 32K, 8B model, 64 H200",
+    num_devices=64,
+    devices_per_unit=1,  # [D] 16 GB of weights fit on one H200
+    tasks_per_step=32,  # [G] 32 prompts x 16 samples (AReaL/DAPO-like)
+    group_size=16,
+    num_steps=10,
+    warmup_steps=2,
+    staleness_bound=1,
+    domains=[
+        Domain(
+            name="reasoning",
+            # [G, informed by S: p99/median ~10x (Laminar), ~97% below 80K of a 160K cap (verl recipe)]
+            context_median_tokens=8_000,
+            context_sigma=0.8,
+            context_cap_tokens=32_768,
+            group_correlation=0.5,
+            generated_fraction=0.95,  # [G] prompt is short
+            tokens_per_turn=1e9,  # one turn
+            turn_size_sigma=0.0,
+            environment=[],
+        )
+    ],
+    model=MODEL_8B,
+    hardware=H200,
+    costs=DEFAULT_COSTS,
+)
+
+MIXED = Workload(
+    name="mixed",
+    description="Mixed domains: half reasoning (8K), half medium agentic (100K, 40 turns); 32B model, 64 H200",
+    num_devices=64,
+    devices_per_unit=4,
+    tasks_per_step=16,
+    group_size=8,
+    num_steps=8,
+    warmup_steps=2,
+    staleness_bound=1,
+    domains=[
+        Domain(
+            name="reasoning",
+            context_median_tokens=8_000,
+            context_sigma=0.8,
+            context_cap_tokens=32_768,
+            generated_fraction=0.95,
+            tokens_per_turn=1e9,
+            turn_size_sigma=0.0,
+            environment=[],
+        ),
+        Domain(
+            name="swe-agent",
+            # [G, informed by S: Nebius SWE RL contexts over 100K; DeepSWE Qwen3-32B]
+            context_median_tokens=100_000,
+            context_sigma=0.6,
+            context_cap_tokens=256_000,
+            generated_fraction=0.3,
+            tokens_per_turn=2_500,
+            environment=AGENT_ENV,
+            task_env_scale_sigma=0.4,  # [G] as xlong
+            execution_env_scale_sigma=1.2,  # [G] as xlong
+        ),
+    ],
+    model=MODEL_32B,
+    hardware=H200,
+    costs=DEFAULT_COSTS,
+)
+
+BUILTIN_WORKLOADS: dict[str, Workload] = {w.name: w for w in (XLONG, REASONING, MIXED)}
+
+
+def builtin(name: str) -> Workload:
+    """A built-in workload by name; unknown names list the choices."""
+    try:
+        return BUILTIN_WORKLOADS[name]
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; built-ins: {', '.join(BUILTIN_WORKLOADS)}") from None
