@@ -1,0 +1,204 @@
+"""gyre.bus against a real nats-server with JetStream (session fixture `nats_url`).
+
+Each test uses its own run_id, so tests share the streams without seeing each other's events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from gyre.bus import Bus, subjects
+from gyre.errors import InvalidArgument, PayloadTooLarge
+from gyre.v1 import events_pb2
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    bus = await Bus.connect(nats_url, name="test")
+    await bus.ensure_streams()
+    yield bus
+    await bus.close()
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"r{uuid.uuid4().hex[:10]}"
+
+
+def _step(run_id: str, seq: int, execution: str = "e1") -> events_pb2.StepEvent:
+    # event_id doubles as Nats-Msg-Id, which JetStream deduplicates per *stream*: it must be unique
+    # across runs, hence the run_id in it.
+    return events_pb2.StepEvent(
+        event_id=f"{run_id}.{execution}.{seq}",
+        run_id=run_id,
+        task_id="t1",
+        execution_id=execution,
+        call_seq=seq,
+        prompt_token_ids=[1, 2, 3],
+        completion_token_ids=[4, 5],
+        completion_logprobs=[-0.5, -1.25],
+        completion_versions=[7, 7],
+    )
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    """Poll until `predicate` holds; fail (not hang) after `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():  # noqa: ASYNC110 (the handlers under test own no event to set)
+            await asyncio.sleep(0.02)
+
+
+async def test_typed_event_round_trips_through_a_durable_consumer(bus: Bus, run_id: str) -> None:
+    sent = _step(run_id, 0)
+    await bus.publish(subjects.steps(run_id, "t1"), sent, msg_id=sent.event_id)
+    got: list[events_pb2.StepEvent] = []
+
+    async def handle(msgs: list[events_pb2.StepEvent]) -> None:
+        got.extend(msgs)
+
+    consumer = await bus.consume(
+        subjects.steps(run_id, "*"), events_pb2.StepEvent, handle, durable=f"{run_id}-rt"
+    )
+    await _until(lambda: len(got) >= 1)
+    await consumer.stop()
+    assert got == [sent]
+    assert consumer.stats.num_acked == 1
+
+
+async def test_a_batch_whose_handler_fails_is_redelivered_and_processed_once(bus: Bus, run_id: str) -> None:
+    for seq in range(3):
+        await bus.publish(subjects.steps(run_id, "t1"), _step(run_id, seq), msg_id=f"{run_id}.e1.{seq}")
+    processed: list[str] = []
+    calls = 0
+
+    async def flaky(msgs: list[events_pb2.StepEvent]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("first attempt fails on purpose")
+        processed.extend(m.event_id.removeprefix(run_id + ".") for m in msgs)
+
+    consumer = await bus.consume(
+        subjects.steps(run_id, "*"), events_pb2.StepEvent, flaky, durable=f"{run_id}-flaky", nak_delay_s=0.05
+    )
+    await _until(lambda: len(processed) >= 3)
+    await consumer.stop()
+    assert sorted(processed) == ["e1.0", "e1.1", "e1.2"]
+    assert consumer.stats.num_handler_errors == 1
+    assert consumer.stats.num_naked >= 1
+
+
+async def test_a_duplicate_publish_with_the_same_msg_id_is_stored_once(bus: Bus, run_id: str) -> None:
+    subject = subjects.steps(run_id, "t1")
+    first = await bus.publish(subject, _step(run_id, 0), msg_id=f"{run_id}.e1.0")
+    again = await bus.publish(subject, _step(run_id, 0), msg_id=f"{run_id}.e1.0")
+    await bus.publish(
+        subject, _step(run_id, 1), msg_id=f"{run_id}.e1.1"
+    )  # sentinel: arrives after any duplicate
+    seen: list[str] = []
+
+    async def handle(msgs: list[events_pb2.StepEvent]) -> None:
+        seen.extend(m.event_id.removeprefix(run_id + ".") for m in msgs)
+
+    consumer = await bus.consume(
+        subjects.steps(run_id, "*"), events_pb2.StepEvent, handle, durable=f"{run_id}-dup"
+    )
+    await _until(lambda: "e1.1" in seen)
+    await consumer.stop()
+    assert again.duplicate and again.seq == first.seq
+    assert seen == ["e1.0", "e1.1"]
+
+
+async def test_a_durable_consumer_resumes_after_its_last_ack(bus: Bus, run_id: str) -> None:
+    subject, durable = subjects.executions(run_id, "t1"), f"{run_id}-resume"
+    seen: list[str] = []
+
+    async def handle(msgs: list[events_pb2.ExecutionEvent]) -> None:
+        seen.extend(m.event_id.removeprefix(run_id + ".") for m in msgs)
+
+    await bus.publish(subject, events_pb2.ExecutionEvent(event_id=f"{run_id}.a"), msg_id=f"{run_id}.a")
+    consumer = await bus.consume(
+        subjects.executions(run_id, "*"), events_pb2.ExecutionEvent, handle, durable=durable
+    )
+    await _until(lambda: seen == ["a"])
+    await consumer.stop()
+    await bus.publish(subject, events_pb2.ExecutionEvent(event_id=f"{run_id}.b"), msg_id=f"{run_id}.b")
+    consumer = await bus.consume(
+        subjects.executions(run_id, "*"), events_pb2.ExecutionEvent, handle, durable=durable
+    )
+    await _until(lambda: "b" in seen)
+    await consumer.stop()
+    assert seen == ["a", "b"]
+
+
+async def test_an_undecodable_message_is_terminated_not_redelivered(bus: Bus, run_id: str) -> None:
+    subject = subjects.steps(run_id, "t1")
+    await bus.js.publish(subject, b"\xff\xff\xff\xff", headers={"Nats-Msg-Id": f"{run_id}.garbage"})
+    await bus.publish(subject, _step(run_id, 0), msg_id=f"{run_id}.e1.0")
+    seen: list[str] = []
+
+    async def handle(msgs: list[events_pb2.StepEvent]) -> None:
+        seen.extend(m.event_id.removeprefix(run_id + ".") for m in msgs)
+
+    consumer = await bus.consume(
+        subjects.steps(run_id, "*"), events_pb2.StepEvent, handle, durable=f"{run_id}-term", batch_size=1
+    )
+    await _until(lambda: "e1.0" in seen)
+    await consumer.stop()
+    info = await bus.js.consumer_info("GYRE_STEPS", f"{run_id}-term")
+    assert seen == ["e1.0"]
+    assert consumer.stats.num_terminated == 1
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_batched_publisher_keeps_at_most_max_pending_unacked_and_stores_everything(
+    bus: Bus, run_id: str
+) -> None:
+    pub = bus.publisher(max_pending=8)
+    most_pending = 0
+    for seq in range(200):
+        await pub.publish(subjects.steps(run_id, "t1"), _step(run_id, seq), msg_id=f"{run_id}.e1.{seq}")
+        most_pending = max(most_pending, pub.num_pending)
+    await pub.flush()
+    info = await bus.js.stream_info("GYRE_STEPS", subjects_filter=subjects.steps(run_id, "*"))
+    assert most_pending <= 8
+    assert pub.num_published == 200
+    assert info.state.subjects == {subjects.steps(run_id, "t1"): 200}
+
+
+async def test_a_payload_over_the_server_limit_is_a_clear_error(bus: Bus, run_id: str) -> None:
+    huge = events_pb2.MetricsEvent(event_id="big", service="x" * (bus.max_payload + 1))
+    with pytest.raises(PayloadTooLarge, match="max_payload"):
+        await bus.publish(subjects.metrics(run_id, "test"), huge, msg_id=f"{run_id}.big")
+    with pytest.raises(PayloadTooLarge):
+        await bus.publisher().publish(subjects.metrics(run_id, "test"), huge, msg_id=f"{run_id}.big")
+    assert bus.max_payload == 8 * 1024 * 1024
+
+
+async def test_tail_yields_events_published_after_it_started(bus: Bus, run_id: str) -> None:
+    await bus.publish(
+        subjects.weights(run_id), events_pb2.WeightsPublishedEvent(event_id="old"), msg_id=f"{run_id}.old"
+    )
+    stream = bus.tail(subjects.weights(run_id), events_pb2.WeightsPublishedEvent)
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.5)  # let the ephemeral consumer start before the event is published
+    await bus.publish(
+        subjects.weights(run_id), events_pb2.WeightsPublishedEvent(event_id="new"), msg_id=f"{run_id}.new"
+    )
+    async with asyncio.timeout(20):
+        got = await first
+    await stream.aclose()
+    assert got.event_id == "new"
+
+
+def test_subject_builders_reject_ids_that_would_change_the_subject_shape() -> None:
+    assert subjects.steps("run1", "*") == "gyre.steps.run1.*"
+    assert subjects.event_type_for(subjects.paths_scored("run1")) is events_pb2.GroupScoredEvent
+    with pytest.raises(InvalidArgument, match="task_id"):
+        subjects.steps("run1", "task.with.dots")
+    with pytest.raises(InvalidArgument, match="run_id"):
+        subjects.leases("run 1", "d0")
