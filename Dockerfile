@@ -41,6 +41,7 @@ COPY proto ./proto
 COPY scripts ./scripts
 COPY examples ./examples
 COPY deploy/run.yaml /etc/gyre/run.yaml
+# Editable: the services' Alembic version scripts are plain files, not packages, and must stay in place.
 RUN pip install --no-deps -e . && mkdir -p /data/run
 
 # gRPC (health + the service's API) and Prometheus /metrics.
