@@ -2,8 +2,8 @@
 
 Guarantees (see gyre/bus/subjects.py for each stream):
 
-* ``Bus.publish`` returns once the stream stored the message (or recognised its ``msg_id`` as a
-  duplicate within the dedup window). Retrying with the same ``msg_id`` is always safe.
+* ``Bus.publish`` returns once the stream stored the message (or recognised ``(subject, msg_id)``
+  as a duplicate within the dedup window). Retrying with the same ``msg_id`` is always safe.
 * ``Publisher`` keeps at most ``max_pending`` un-acked messages in flight; ``publish`` waits when
   the window is full (back-pressure). ``flush()`` returns when every message was stored and raises
   ``Unavailable`` if any was not; republish those with the same ``msg_id``.
@@ -327,8 +327,11 @@ class Bus:
 
     def _encode(self, subject: str, msg: Message, msg_id: str | None) -> tuple[bytes, dict[str, str] | None]:
         data = msg.SerializeToString()
-        headers = {MSG_ID_HEADER: msg_id} if msg_id else None
-        size = len(data) + (len(msg_id) + _HEADER_OVERHEAD if msg_id else 0)
+        # JetStream deduplicates per stream; scoping the key by subject (which holds the run_id)
+        # keeps equal event IDs of different runs or tasks from being dropped as duplicates.
+        dedup_key = f"{subject}/{msg_id}" if msg_id else None
+        headers = {MSG_ID_HEADER: dedup_key} if dedup_key else None
+        size = len(data) + (len(dedup_key) + _HEADER_OVERHEAD if dedup_key else 0)
         if size > self.max_payload:
             raise PayloadTooLarge(
                 f"{type(msg).__name__} on {subject} is {size} bytes, over the NATS server's max_payload of "

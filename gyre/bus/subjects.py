@@ -9,9 +9,9 @@ how long messages are kept):
 
 * **Publish**: at-least-once. ``Bus.publish`` waits for the stream's ack; a publisher that did
   not get the ack retries with the *same* ``msg_id`` (``Nats-Msg-Id``), and the stream stores a
-  message once per ``msg_id`` within ``DUPLICATE_WINDOW_S``. Every event's ``event_id`` is its
-  ``msg_id``. The dedup window is per *stream*, across runs and subjects: a ``msg_id`` must be
-  unique within its stream, so event IDs include the run_id (``<run_id>.<execution_id>.<seq>``).
+  message once per ``(subject, msg_id)`` within ``DUPLICATE_WINDOW_S`` (the Nats-Msg-Id header
+  is ``<subject>/<msg_id>``, so equal event IDs of different runs never collide). Every event's
+  ``event_id`` is its ``msg_id``.
 * **Consume**: at-least-once. Durable pull consumers ack a message only after the handler
   returned; a handler that raises gets the batch redelivered (after a delay), a crash before the
   ack redelivers it after ``ack_wait``. Handlers must therefore be idempotent (key their writes

@@ -30,8 +30,6 @@ def run_id() -> str:
 
 
 def _step(run_id: str, seq: int, execution: str = "e1") -> events_pb2.StepEvent:
-    # event_id doubles as Nats-Msg-Id, which JetStream deduplicates per *stream*: it must be unique
-    # across runs, hence the run_id in it.
     return events_pb2.StepEvent(
         event_id=f"{run_id}.{execution}.{seq}",
         run_id=run_id,
@@ -193,6 +191,14 @@ async def test_tail_yields_events_published_after_it_started(bus: Bus, run_id: s
         got = await first
     await stream.aclose()
     assert got.event_id == "new"
+
+
+async def test_equal_msg_ids_on_different_runs_are_both_stored(bus: Bus, run_id: str) -> None:
+    other_run = run_id + "x"
+    first = await bus.publish(subjects.steps(run_id, "t1"), _step(run_id, 0), msg_id="e1.0")
+    second = await bus.publish(subjects.steps(other_run, "t1"), _step(other_run, 0), msg_id="e1.0")
+    assert not first.duplicate and not second.duplicate
+    assert second.seq != first.seq
 
 
 def test_subject_builders_reject_ids_that_would_change_the_subject_shape() -> None:
