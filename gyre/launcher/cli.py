@@ -111,7 +111,8 @@ def main(argv: list[str]) -> int:
         )
         endpoints = deployment.start()
         starting = False
-        Console().print(endpoints_table(endpoints))
+        # Not a terminal (a log, a test): wide enough that addresses and paths stay on one line.
+        Console(width=None if sys.stdout.isatty() else 200).print(endpoints_table(endpoints))
         if args.check:
             failures = []
             for ep in endpoints.services.values():

@@ -95,5 +95,5 @@ def main(argv: list[str]) -> int:
         for s in statuses:
             style = "green" if s.health == "SERVING" else "red"
             table.add_row(s.name, s.grpc_address, f"[{style}]{s.health}[/{style}]", s.metrics, s.process)
-        Console().print(table)
+        Console(width=None if sys.stdout.isatty() else 160).print(table)
     return 0 if statuses and all(s.health == "SERVING" for s in statuses) else 1
