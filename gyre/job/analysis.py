@@ -121,6 +121,10 @@ class RunAnalysis:
     num_context_events: dict[str, int]
     verdict: RewardVerdict | None
     num_events: dict[str, int]
+    # per execution: final context (prompt + completion of its largest call), calls, generated tokens
+    execution_context_tokens: list[int] = field(default_factory=list)
+    execution_num_calls: list[int] = field(default_factory=list)
+    execution_generated_tokens: list[int] = field(default_factory=list)
 
     @property
     def device_idle_fraction(self) -> float:
@@ -376,9 +380,17 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
     num_completion_tokens = 0
     num_migrations = 0
     context_events: Counter[str] = Counter()
+    exec_context: dict[str, int] = defaultdict(int)
+    exec_calls: Counter[str] = Counter()
+    exec_generated: Counter[str] = Counter()
     for r in by_type["StepEvent"]:
         ev = r["event"]
         num_calls += 1
+        eid = str(ev.get("execution_id", ""))
+        n_out = int(_f(ev.get("num_completion_tokens")))
+        exec_context[eid] = max(exec_context[eid], int(_f(ev.get("num_prompt_tokens"))) + n_out)
+        exec_calls[eid] += 1
+        exec_generated[eid] += n_out
         num_completion_tokens += int(_f(ev.get("num_completion_tokens")))
         num_migrations += int(_f(ev.get("num_migrations")))
         if ev.get("context_event"):
@@ -421,4 +433,7 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
         num_context_events=dict(context_events),
         verdict=reward_verdict(steps, num_steps, seed=seed),
         num_events={k: len(v) for k, v in sorted(by_type.items())},
+        execution_context_tokens=list(exec_context.values()),
+        execution_num_calls=[exec_calls[e] for e in exec_context],
+        execution_generated_tokens=[exec_generated[e] for e in exec_context],
     )

@@ -43,32 +43,131 @@ def _iv(iv: dict[str, Any] | None) -> str:
     return f"{_f(iv.get('mean'), '.3f')} [{_f(iv.get('low'), '.3f')}, {_f(iv.get('high'), '.3f')}]"
 
 
+def workload_for_run(run_dir: Path, summary: dict[str, Any]) -> Any:
+    """A simulator Workload describing this run, calibrated on the run's own measurements.
+
+    Shape from the run: devices (one logical device per scheduling unit), tasks and group size per
+    step, the execution lengths (final context: median and log-sigma; tokens per turn; generated
+    share), the model's size (trainer.model, else the default tiny model, fp32 weights). Hardware
+    constants are *fitted to the run*, so the prediction tests the scheduling model, not a CPU model:
+    the "HBM bandwidth" makes one decode step of one sequence take as long as the run's measured
+    per-rollout-device token rate implies (CPU decode batches poorly: one sequence per step is the
+    conservative reading), the peak FLOP/s makes a training step take the measured train
+    device-seconds per step, role switches cost the measured mean switching time. No environment
+    latency (the long-horizon environment answers in microseconds).
+    """
+    import yaml
+
+    from gyre.model.config import ModelConfig
+    from services.scheduler.sim import Workload
+
+    raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    model = ModelConfig.model_validate(((raw.get("trainer") or {}).get("model")) or {})
+    job = raw.get("job") or {}
+    h, layers = model.hidden_size, model.num_layers
+    params = layers * (4 * h * h + 3 * h * model.ffn_hidden_size) + 2 * model.vocab_size * h
+    weight_bytes = 4.0 * params
+    steps = max(1, int(summary.get("num_steps") or 1))
+    num_devices = max(2, int(summary.get("num_devices") or 4))
+    group_size = int(job.get("group_size", 4))
+    tasks_per_step = max(1, round((summary.get("num_groups_scored") or group_size) / steps))
+    ctx = summary.get("execution_context_tokens") or {}
+    calls = summary.get("execution_num_calls") or {}
+    gen = summary.get("execution_generated_tokens") or {}
+    median_ctx = float(ctx.get("median") or 64.0)
+    tokens_per_turn = max(
+        1.0, float(ctx.get("mean") or median_ctx) / max(1.0, float(calls.get("mean") or 1.0))
+    )
+    generated_fraction = min(
+        1.0, max(0.01, float(gen.get("mean") or 1.0) / float(ctx.get("mean") or median_ctx))
+    )
+    rollout_devices = max(
+        1e-9, float(summary.get("rollout_device_s") or 0.0) / max(1e-9, summary.get("duration_s") or 1.0)
+    )
+    tokens_per_s_per_device = max(1.0, float(summary.get("tokens_per_s") or 1.0) / max(rollout_devices, 1.0))
+    efficiency = 0.8
+    bandwidth = weight_bytes * tokens_per_s_per_device / efficiency
+    train_s_per_step = max(0.05, float(summary.get("train_device_s") or 1.0) / steps)
+    train_tokens_per_step = max(1.0, float(summary.get("batch_tokens") or 1.0) / steps)
+    mfu = 0.4
+    peak_flops = 6.0 * params * train_tokens_per_step / (mfu * train_s_per_step)
+    switch_s = float(summary.get("mean_switch_s") or 0.5)
+    return Workload.model_validate(
+        {
+            "name": f"run:{run_dir.name}",
+            "description": "calibrated on a measured gyre run",
+            "num_devices": num_devices,
+            "devices_per_unit": 1,
+            "tasks_per_step": tasks_per_step,
+            "group_size": group_size,
+            "num_steps": max(4, steps),
+            "warmup_steps": 1,
+            "staleness_bound": int((raw.get("trajectory") or {}).get("max_staleness", 1)),
+            "seed": int(raw.get("seed", 0)),
+            "domains": [
+                {
+                    "name": "longhorizon",
+                    "context_median_tokens": median_ctx,
+                    "context_sigma": float(ctx.get("log_sigma") or 0.5),
+                    "context_cap_tokens": float(model.max_position_embeddings),
+                    "generated_fraction": generated_fraction,
+                    "tokens_per_turn": tokens_per_turn,
+                }
+            ],
+            "model": {
+                "params": float(params),
+                "weight_bytes": weight_bytes,
+                "kv_bytes_per_token": 2.0 * layers * h * 4,
+                "num_layers": layers,
+                "attention_dim": h,
+            },
+            "hardware": {
+                "hbm_bytes": 8.0 * 2**30,
+                "hbm_bandwidth_bytes_s": bandwidth,
+                "bandwidth_efficiency": efficiency,
+                "peak_flops": peak_flops,
+                "migration_bandwidth_bytes_s": 1e9,
+            },
+            "costs": {
+                "train_mfu": mfu,
+                "switch_rollout_to_train_s": switch_s,
+                "switch_train_to_rollout_s": switch_s,
+                "elastic_role_change_s": switch_s,
+                "weight_sync_s": 0.1,
+                "migration_overhead_s": 0.01,
+            },
+        }
+    )
+
+
 def predict(run_dir: Path, summary: dict[str, Any]) -> tuple[dict[str, float] | None, str]:
-    """The simulator's (time_per_step_s, device_idle_fraction) for this run's config and policy.
+    """The simulator's time_per_step_s and device_idle_fraction for this run's config and policy.
 
     Returns (None, why) when the simulator or the run's config is not available.
     """
-    config_path = run_dir / "config.yaml"
-    if not config_path.is_file():
-        return None, f"no {config_path.name} in the run directory"
+    if not (run_dir / "config.yaml").is_file():
+        return None, "no config.yaml in the run directory"
+    policy = summary.get("policy") or ""
+    if policy not in ("colocate", "async", "elastic"):
+        return None, f"unknown policy {policy!r} in the run's events"
     try:
         from services.scheduler import sim
     except ImportError as exc:
         return None, f"simulator not installed ({exc})"
-    fn = getattr(sim, "predict", None)
-    if fn is None:
-        return None, "services.scheduler.sim has no predict()"
     try:
-        result = fn(config_path, policy=summary.get("policy") or None, measured=summary)
+        workload = workload_for_run(run_dir, summary)
+        rollout_devices = None
+        if policy == "async" and summary.get("duration_s"):
+            rollout_devices = round(
+                float(summary.get("rollout_device_s") or 0.0) / float(summary["duration_s"])
+            )
+        result = sim.predict(workload, policy, num_rollout_devices=rollout_devices or None)
     except Exception as exc:  # a prediction failure must not hide the measured table
         return None, f"simulator failed: {exc!r}"
-    if hasattr(result, "_asdict"):
-        result = result._asdict()
-    elif not isinstance(result, dict):
-        result = {
-            k: getattr(result, k) for k in ("time_per_step_s", "device_idle_fraction") if hasattr(result, k)
-        }
-    return {k: float(v) for k, v in result.items() if isinstance(v, int | float)}, ""
+    out = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}
+    if "device_utilization" in out:
+        out["device_idle_fraction"] = 1.0 - out["device_utilization"]
+    return out, ""
 
 
 def compare_table(run_dirs: list[Path]) -> Table:

@@ -175,7 +175,7 @@ class LiveProgress:
             self._live.update(self._render())
         elif self.tracker.version != self._printed_version:
             self._printed_version = self.tracker.version
-            self.console.print(self.tracker.line(), highlight=False)
+            self.console.print(self.tracker.line(), highlight=False, soft_wrap=True)
 
     async def run(self, interval_s: float = 0.5) -> None:
         """Refresh every `interval_s` until cancelled."""

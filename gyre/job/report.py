@@ -43,6 +43,28 @@ def _interval_json(iv: Interval) -> dict[str, Any]:
     return {"mean": _num(iv.mean), "low": _num(iv.low), "high": _num(iv.high), "n": iv.n}
 
 
+def _distribution(values: list[int]) -> dict[str, float | None]:
+    """mean, median and sigma of log (for lognormal workload fits) of positive values."""
+    pos = [v for v in values if v > 0]
+    if not pos:
+        return {"n": 0, "mean": None, "median": None, "log_sigma": None}
+    logs = [math.log(v) for v in pos]
+    mu = sum(logs) / len(logs)
+    sigma = math.sqrt(sum((x - mu) ** 2 for x in logs) / (len(logs) - 1)) if len(logs) > 1 else 0.0
+    ordered = sorted(pos)
+    return {
+        "n": len(pos),
+        "mean": sum(pos) / len(pos),
+        "median": float(ordered[len(ordered) // 2]),
+        "log_sigma": sigma,
+    }
+
+
+def _mean_switch_s(a: RunAnalysis) -> float:
+    spans = [s.end_s - s.start_s for s in a.segments if s.role == "switching"]
+    return sum(spans) / len(spans) if spans else math.nan
+
+
 def summary_of(a: RunAnalysis, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Headline numbers of a run (JSON-ready: non-finite numbers become null)."""
     out: dict[str, Any] = {
@@ -67,6 +89,14 @@ def summary_of(a: RunAnalysis, extra: dict[str, Any] | None = None) -> dict[str,
         "context_events": a.num_context_events,
         "num_events": a.num_events,
         "reward_curve": [_num(r.reward_mean) for r in a.steps],
+        "num_groups_scored": sum(r.num_groups for r in a.steps),
+        "batch_tokens": sum(r.batch_tokens for r in a.steps),
+        "execution_context_tokens": _distribution(a.execution_context_tokens),
+        "execution_num_calls": _distribution(a.execution_num_calls),
+        "execution_generated_tokens": _distribution(a.execution_generated_tokens),
+        "mean_switch_s": _num(_mean_switch_s(a)),
+        "train_device_s": a.device_time_s.get("train", 0.0),
+        "rollout_device_s": a.device_time_s.get("rollout", 0.0),
     }
     v = a.verdict
     if v is not None:
