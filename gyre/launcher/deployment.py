@@ -24,6 +24,7 @@ started here outlives it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -32,6 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
+
+import psutil
 
 from gyre.config import CommonConfig, load_common, load_section
 from gyre.errors import GyreError
@@ -135,6 +138,7 @@ class Deployment:
             raise
 
     def _start(self) -> Endpoints:
+        self._refuse_second_launcher()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         nats_url = self._nats_url or self._start_embedded_nats()
         database_url = self._database_url or self._start_embedded_postgres()
@@ -169,6 +173,20 @@ class Deployment:
         )
         self._endpoints.write(self.run_dir)
         return self._endpoints
+
+    def _refuse_second_launcher(self) -> None:
+        """Two deployments in one run_dir would share embedded data dirs and logs: refuse the second."""
+        path = self.run_dir / FILENAME
+        if not path.is_file():
+            return
+        with contextlib.suppress(GyreError):
+            other = Endpoints.read(path).launcher_pid
+            if other != os.getpid() and psutil.pid_exists(other):
+                raise DeploymentError(
+                    f"another deployment (launcher pid {other}) is running with run_dir {self.run_dir}; "
+                    "stop it first (Ctrl-C, or kill that pid) or choose another run_dir"
+                )
+        path.unlink(missing_ok=True)  # left behind by a launcher that was killed
 
     def _start_embedded_nats(self) -> str:
         from gyre.embedded import EmbeddedNats
