@@ -271,34 +271,48 @@ class Bus:
         self.on_consumer_failure: Callable[[BaseException], None] | None = None
 
     @classmethod
-    async def connect(cls, url: str, *, name: str, connect_timeout_s: float = 5.0) -> Bus:
-        """Connect to NATS at `url` (reconnects forever once connected); Unavailable if unreachable."""
+    async def connect(cls, url: str, *, name: str, connect_wait_s: float = 10.0) -> Bus:
+        """Connect to NATS at `url`, retrying for about `connect_wait_s` seconds (Unavailable after);
+        once connected, reconnect forever after a disconnection."""
+        connected = False
+        reconnect_wait_s = 0.5
 
         async def _error(exc: Exception) -> None:
-            log.warning("nats (%s): %s", name, exc)
+            if connected:
+                log.warning("nats (%s): %s", name, exc)
+            else:
+                log.debug("nats (%s): connect attempt failed: %s", name, exc)
 
         async def _disconnected() -> None:
-            if nc.is_closed or nc.is_draining:
-                return
-            log.warning("nats (%s): disconnected from %s", name, url)
+            if connected and not (nc.is_closed or nc.is_draining):
+                log.warning("nats (%s): disconnected from %s", name, url)
 
         async def _reconnected() -> None:
             log.info("nats (%s): reconnected", name)
 
+        nc = NatsClient()
+        # nats-py annotates these two as int but takes seconds as float.
+        timing: dict[str, Any] = {
+            "connect_timeout": min(2.0, connect_wait_s),
+            "reconnect_time_wait": reconnect_wait_s,
+        }
         try:
-            nc = await nats.connect(
+            await nc.connect(
                 url,
                 name=f"gyre-{name}",
-                connect_timeout=connect_timeout_s,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
+                max_reconnect_attempts=max(1, int(connect_wait_s / reconnect_wait_s)),
                 allow_reconnect=True,
                 error_cb=_error,
                 disconnected_cb=_disconnected,
                 reconnected_cb=_reconnected,
+                **timing,
             )
-        except (OSError, nats.errors.Error) as exc:
-            raise Unavailable(f"cannot connect to NATS at {url}: {exc!r}; is nats-server running?") from exc
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
+            raise Unavailable(
+                f"cannot connect to NATS at {url} within {connect_wait_s} s ({exc!r}); is nats-server running?"
+            ) from exc
+        connected = True
+        nc.options["max_reconnect_attempts"] = -1  # from now on, ride out server restarts
         return cls(nc, name)
 
     @property

@@ -86,7 +86,12 @@ def upgrade(url: str, migrations_dir: Path, version_table: str, revision: str = 
     cfg.attributes["url"] = _normalise(url)
     cfg.attributes["version_table"] = version_table
     log.info("alembic upgrade %s -> %s (%s)", migrations_dir, revision, version_table)
-    command.upgrade(cfg, revision)
+    try:
+        command.upgrade(cfg, revision)
+    except sa.exc.OperationalError as exc:
+        raise Unavailable(
+            f"cannot migrate {version_table}: Postgres unreachable or refused: {exc.orig}"
+        ) from exc
 
 
 __all__ = ["MIGRATION_TEMPLATE", "check_connection", "create_engine", "session_scope", "upgrade"]

@@ -208,3 +208,11 @@ def test_subject_builders_reject_ids_that_would_change_the_subject_shape() -> No
         subjects.steps("run1", "task.with.dots")
     with pytest.raises(InvalidArgument, match="run_id"):
         subjects.leases("run 1", "d0")
+
+
+async def test_connecting_to_a_port_without_nats_is_unavailable_not_a_hang() -> None:
+    from gyre.embedded import free_port
+    from gyre.errors import Unavailable
+
+    with pytest.raises(Unavailable, match="cannot connect to NATS"):
+        await Bus.connect(f"nats://127.0.0.1:{free_port()}", name="test", connect_wait_s=1.0)
