@@ -13,6 +13,7 @@ Token ids are random: only the structure matters here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -230,3 +231,47 @@ def xlong_execution(num_calls: int = 300, total_tokens: int = 700_000, seed: int
         obs = rng.integers(0, 500, per_call - len(comp), dtype=np.int32)
         ctx = np.concatenate([task, comp[:200]]) if s % 30 == 29 else np.concatenate([ctx, comp, obs])
     return calls
+
+
+def step_event(run_id: str, c: GeneratedCall) -> Any:
+    """The StepEvent the rollout service would publish for this call."""
+    from gyre.v1 import events_pb2
+
+    return events_pb2.StepEvent(
+        event_id=f"{c.execution_id}.{c.call_seq}",
+        run_id=run_id,
+        task_id=c.task_id,
+        group_id=c.group_id,
+        execution_id=c.execution_id,
+        call_seq=c.call_seq,
+        prompt_token_ids=c.prompt.tolist(),
+        completion_token_ids=c.completion.tolist(),
+        completion_logprobs=c.logprobs.tolist(),
+        completion_versions=c.versions.tolist(),
+        agent_id="main",
+        context_event=c.context_event,
+    )
+
+
+def end_event(run_id: str, ex: GeneratedExecution, reward: float | None = None) -> Any:
+    """FINISHED (with the reward) or TRUNCATED (with milestones) event of a generated execution."""
+    from gyre.v1 import common_pb2, events_pb2
+
+    kind = (
+        events_pb2.ExecutionEvent.KIND_FINISHED if ex.finished else events_pb2.ExecutionEvent.KIND_TRUNCATED
+    )
+    ev = events_pb2.ExecutionEvent(
+        event_id=f"end.{ex.execution_id}",
+        run_id=run_id,
+        task_id=ex.task_id,
+        group_id=ex.group_id,
+        execution_id=ex.execution_id,
+        kind=kind,
+        num_calls=len(ex.calls),
+        progress=common_pb2.ProgressSignal(
+            milestones_reached=ex.milestones_reached, milestones_total=ex.milestones_total
+        ),
+    )
+    if ex.finished:
+        ev.reward = ex.reward if reward is None else reward
+    return ev

@@ -1,0 +1,91 @@
+"""Configuration of the trajectory service (the ``trajectory:`` section of a run's YAML)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from gyre.config import ConfigModel
+
+
+class TrajectoryConfig(ConfigModel):
+    """Ingest, readiness, scoring, dedup and batching of the trajectory service."""
+
+    max_batch_tokens: int = Field(
+        65_536,
+        ge=1,
+        description="Token budget of a packed batch (tree tokens, each counted once) when PullBatch gives none.",
+    )
+    min_batch_fill: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="A batch is built and announced (BatchReadyEvent) once scored groups hold this fraction of max_batch_tokens.",
+    )
+    batch_max_wait_s: float = Field(
+        5.0,
+        ge=0.0,
+        description="Seconds a scored group waits before a batch is built even below min_batch_fill.",
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="Versions: groups whose oldest trained token is older than current_version - max_staleness are dropped (counted).",
+    )
+    group_size: int = Field(
+        0,
+        ge=0,
+        description="Executions a group must have before it can be scored; 0 = as many as have been seen when all ended.",
+    )
+    train_unfinished_after_s: float | None = Field(
+        None,
+        ge=0.0,
+        description=(
+            "Seconds after the first execution of a group ended after which executions still running are scored as "
+            "partial from their last progress signal; unset = wait for every execution to end."
+        ),
+    )
+    scorer: str = Field(
+        "progress", description="'progress' (built-in) or 'package.module:Class' of a custom scorer."
+    )
+    reward_min: float = Field(0.0, description="Lowest valid reward; a smaller (or NaN) reward is rejected.")
+    reward_max: float = Field(
+        1.0, description="Highest valid reward; a larger (or infinite) reward is rejected."
+    )
+    partial_scale: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Factor on the progress fraction of partial scores (1 = full credit for progress).",
+    )
+    normalise_advantage_std: bool = Field(
+        True, description="Divide group advantages by the group's reward std (GRPO)."
+    )
+    near_duplicate_threshold: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Estimated Jaccard similarity of action shingles at or above which executions are near duplicates; 1 = off.",
+    )
+    near_duplicate_num_perm: int = Field(
+        128, ge=16, description="MinHash permutations (more = more exact, slower)."
+    )
+    shingle_size: int = Field(4, ge=1, description="Tokens per action shingle for near-duplicate detection.")
+    ingest_batch_size: int = Field(
+        512, ge=1, description="Steps fetched from JetStream and committed to Postgres at once."
+    )
+    durable_name: str = Field(
+        "trajectory",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Prefix of the durable JetStream consumer names.",
+    )
+    ready_poll_s: float = Field(
+        0.5, gt=0.0, description="Seconds between checks for ready groups and batches to build."
+    )
+
+    @model_validator(mode="after")
+    def _check_range(self) -> TrajectoryConfig:
+        if not self.reward_min < self.reward_max:
+            raise ValueError(
+                f"reward_min ({self.reward_min}) must be smaller than reward_max ({self.reward_max})"
+            )
+        return self

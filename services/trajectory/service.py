@@ -1,0 +1,161 @@
+"""The trajectory service: NATS consumers, the gRPC Trajectory servicer and the scoring/batching loop.
+
+Boundaries (errors handled once, here):
+- NATS ``gyre.steps.<run>.*`` and ``gyre.executions.<run>.*``: durable consumers; a batch is
+  committed to Postgres before the handler returns (then the bus acks it). Invalid events are
+  stored in ``traj_rejections`` with the reason and acked (redelivering them cannot help); a
+  failing commit raises, so the bus naks and redelivers the batch.
+- gRPC: every method goes through ``gyre.rpc.error_boundary`` (InvalidArgument -> INVALID_ARGUMENT,
+  NotFound -> NOT_FOUND, ...).
+- The poll loop dies loudly (``rt.spawn``): the service then stops with exit code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+import grpc
+
+from gyre import rpc
+from gyre.bus import Bus, Consumer, subjects
+from gyre.config import CommonConfig
+from gyre.service import Runtime, Service
+from gyre.v1 import events_pb2, trajectory_pb2, trajectory_pb2_grpc
+from services.trajectory.config import TrajectoryConfig
+from services.trajectory.core import TrajectoryCore
+
+log = logging.getLogger("gyre.trajectory")
+
+
+class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
+    def __init__(self, core: TrajectoryCore) -> None:
+        self.core = core
+
+    @rpc.error_boundary
+    async def IngestSteps(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[events_pb2.StepEvent], context: grpc.aio.ServicerContext
+    ) -> trajectory_pb2.IngestSummary:
+        total = trajectory_pb2.IngestSummary()
+        pending: list[events_pb2.StepEvent] = []
+
+        async def flush() -> None:
+            s = await self.core.ingest_steps(pending)
+            total.num_received += s.num_received
+            total.num_stored += s.num_stored
+            total.num_duplicates += s.num_duplicates
+            total.num_rejected += s.num_rejected
+            total.errors.extend(s.errors[: max(0, 100 - len(total.errors))])
+            pending.clear()
+
+        async for step in request_iterator:
+            pending.append(step)
+            if len(pending) >= self.core.cfg.ingest_batch_size:
+                await flush()
+        if pending:
+            await flush()
+        return total
+
+    @rpc.error_boundary
+    async def PullBatch(  # noqa: N802
+        self, request: trajectory_pb2.PullBatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[trajectory_pb2.BatchChunk]:
+        for chunk in await self.core.pull(request):
+            yield chunk
+
+    @rpc.error_boundary
+    async def AckBatch(  # noqa: N802
+        self, request: trajectory_pb2.AckBatchRequest, context: grpc.aio.ServicerContext
+    ) -> trajectory_pb2.AckBatchResponse:
+        await self.core.ack(request)
+        return trajectory_pb2.AckBatchResponse()
+
+    @rpc.error_boundary
+    async def ExportExecution(  # noqa: N802
+        self, request: trajectory_pb2.ExportExecutionRequest, context: grpc.aio.ServicerContext
+    ) -> trajectory_pb2.ExportExecutionResponse:
+        return self.core.export(request.execution_id)
+
+    @rpc.error_boundary
+    async def GetStats(  # noqa: N802
+        self, request: trajectory_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> trajectory_pb2.GetStatsResponse:
+        return trajectory_pb2.GetStatsResponse(values=await self.core.stats())
+
+
+class TrajectoryService(Service):
+    name: ClassVar[str] = "trajectory"
+
+    def __init__(self, common: CommonConfig, cfg: TrajectoryConfig) -> None:
+        self.common = common
+        self.cfg = cfg
+        self.core: TrajectoryCore | None = None
+        self.consumers: list[Consumer[Any]] = []
+        self.bus: Bus | None = None
+        self._stopping = asyncio.Event()
+
+    async def start(self, rt: Runtime) -> None:
+        self.bus = rt.bus
+        core = self.core = TrajectoryCore(self.common.run_id, self.cfg, rt.engine)
+        await asyncio.to_thread(core.load)
+        trajectory_pb2_grpc.add_TrajectoryServicer_to_server(TrajectoryServicer(core), rt.server)
+        run = self.common.run_id
+        durable = self.cfg.durable_name
+        self.consumers.append(
+            await rt.bus.consume(
+                subjects.executions(run, "*"),
+                events_pb2.ExecutionEvent,
+                self._on_executions,
+                durable=f"{durable}-{run}-executions",
+                batch_size=self.cfg.ingest_batch_size,
+            )
+        )
+        self.consumers.append(
+            await rt.bus.consume(
+                subjects.steps(run, "*"),
+                events_pb2.StepEvent,
+                self._on_steps,
+                durable=f"{durable}-{run}-steps",
+                batch_size=self.cfg.ingest_batch_size,
+            )
+        )
+        rt.spawn(self._poll_loop(), name="trajectory-poll")
+
+    async def _on_steps(self, msgs: list[events_pb2.StepEvent]) -> None:
+        assert self.core is not None
+        summary = await self.core.ingest_steps(msgs)
+        for err in summary.errors[:5]:
+            log.warning("rejected step: %s", err)
+
+    async def _on_executions(self, msgs: list[events_pb2.ExecutionEvent]) -> None:
+        assert self.core is not None
+        await self.core.ingest_executions(msgs)
+
+    async def poll_once(self) -> None:
+        """Score ready groups and build announced batches, publishing their events."""
+        assert self.core is not None and self.bus is not None
+        run = self.common.run_id
+        for ev in await self.core.score_ready_groups():
+            await self.bus.publish(subjects.paths_scored(run), ev, msg_id=ev.event_id)
+        while (ready := await self.core.build_announced_batch()) is not None:
+            await self.bus.publish(subjects.paths_batch(run), ready, msg_id=ready.event_id)
+
+    async def _poll_loop(self) -> None:
+        while not self._stopping.is_set():
+            await self.poll_once()
+            try:
+                await asyncio.wait_for(self._stopping.wait(), timeout=self.cfg.ready_poll_s)
+            except TimeoutError:
+                pass
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        for c in self.consumers:
+            await c.stop()
+        self.consumers.clear()
+
+
+def build(common: CommonConfig, cfg: TrajectoryConfig) -> TrajectoryService:
+    return TrajectoryService(common, cfg)

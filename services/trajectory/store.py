@@ -1,0 +1,440 @@
+"""Postgres persistence of the trajectory service (sync; async code calls it via asyncio.to_thread).
+
+Every write of one ingest batch, one scored group or one batch is a single transaction, so a
+crash leaves either all of it or none of it. Inserts of calls use ON CONFLICT DO NOTHING on
+(run_id, execution_id, call_seq): a redelivered step is a no-op even if two writers race.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from gyre.store import session_scope
+from gyre.v1 import trajectory_pb2
+from services.trajectory import models as m
+from services.trajectory.packing import PackedBatch
+from services.trajectory.tree import (
+    LOGPROB_DTYPE,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    CallRecord,
+    Node,
+    NodeIds,
+    TaskTree,
+)
+
+
+@dataclass(slots=True)
+class NewCall:
+    """A call inserted in memory, waiting to be committed."""
+
+    task_id: str
+    group_id: str
+    record: CallRecord
+    progress: dict[str, Any] | None
+    context_event: str
+    num_migrations: int
+
+
+@dataclass(slots=True)
+class StepBatch:
+    tasks: set[str] = field(default_factory=set)
+    groups: dict[str, str] = field(default_factory=dict)  # group -> task
+    executions: dict[str, tuple[str, str]] = field(default_factory=dict)  # execution -> (group, task)
+    calls: list[NewCall] = field(default_factory=list)
+    nodes: dict[int, tuple[str, Node]] = field(
+        default_factory=dict
+    )  # node id -> (task, node), created or modified
+    created: set[int] = field(default_factory=set)
+    rejections: list[tuple[str, str, str, bytes]] = field(default_factory=list)  # kind, key, error, payload
+
+
+def encode_chunks(chunks: Iterable[trajectory_pb2.BatchChunk]) -> bytes:
+    out = bytearray()
+    for c in chunks:
+        b = c.SerializeToString()
+        out += struct.pack("<Q", len(b)) + b
+    return bytes(out)
+
+
+def decode_chunks(data: bytes) -> list[trajectory_pb2.BatchChunk]:
+    chunks, i = [], 0
+    while i < len(data):
+        (n,) = struct.unpack_from("<Q", data, i)
+        c = trajectory_pb2.BatchChunk()
+        c.ParseFromString(data[i + 8 : i + 8 + n])
+        chunks.append(c)
+        i += 8 + n
+    return chunks
+
+
+class TrajectoryStore:
+    def __init__(self, engine: sa.Engine, run_id: str) -> None:
+        self.engine = engine
+        self.run_id = run_id
+
+    # ------------------------------------------------------------------ ingest
+    def commit_steps(self, batch: StepBatch) -> None:
+        now = time.time()
+        rid = self.run_id
+        with session_scope(self.engine) as s:
+            s.execute(pg_insert(m.Run).values(run_id=rid, created_unix_s=now).on_conflict_do_nothing())
+            if batch.tasks:
+                s.execute(
+                    pg_insert(m.Task)
+                    .values([{"run_id": rid, "task_id": t} for t in batch.tasks])
+                    .on_conflict_do_nothing()
+                )
+            if batch.groups:
+                s.execute(
+                    pg_insert(m.ExecutionGroup)
+                    .values(
+                        [
+                            {"run_id": rid, "group_id": g, "task_id": t, "state": "open"}
+                            for g, t in batch.groups.items()
+                        ]
+                    )
+                    .on_conflict_do_nothing()
+                )
+            if batch.executions:
+                s.execute(
+                    pg_insert(m.Execution)
+                    .values(
+                        [
+                            {
+                                "run_id": rid,
+                                "execution_id": e,
+                                "group_id": g,
+                                "task_id": t,
+                                "ending": "running",
+                                "environment": "",
+                                "error": "",
+                            }
+                            for e, (g, t) in batch.executions.items()
+                        ]
+                    )
+                    .on_conflict_do_nothing()
+                )
+            new_rows: list[dict[str, Any]] = []
+            upd_rows: list[dict[str, Any]] = []
+            for nid, (task, node) in batch.nodes.items():
+                row = {
+                    "node_id": nid,
+                    "run_id": rid,
+                    "task_id": task,
+                    "parent_id": node.parent.node_id
+                    if node.parent is not None and node.parent.node_id >= 0
+                    else None,
+                    "start": node.start,
+                    "num_tokens": len(node.tokens),
+                    "tokens": node.tokens.astype("<i4").tobytes(),
+                    "segment_hash": node.segment_hash(),
+                }
+                (new_rows if nid in batch.created else upd_rows).append(row)
+            if new_rows:
+                s.execute(sa.insert(m.TreeNode), new_rows)
+            if upd_rows:
+                s.execute(sa.update(m.TreeNode), upd_rows)
+            if batch.calls:
+                s.execute(
+                    pg_insert(m.Call)
+                    .values(
+                        [
+                            {
+                                "run_id": rid,
+                                "execution_id": c.record.execution_id,
+                                "call_seq": c.record.call_seq,
+                                "task_id": c.task_id,
+                                "group_id": c.group_id,
+                                "end_node_id": c.record.end_node.node_id,
+                                "prompt_len": c.record.prompt_len,
+                                "total_len": c.record.total_len,
+                                "completion_logprobs": c.record.completion_logprobs.astype("<f4").tobytes(),
+                                "completion_versions": c.record.completion_versions.astype("<i8").tobytes(),
+                                "agent_id": c.record.agent_id,
+                                "progress": c.progress,
+                                "context_event": c.context_event,
+                                "num_migrations": c.num_migrations,
+                                "received_unix_s": now,
+                            }
+                            for c in batch.calls
+                        ]
+                    )
+                    .on_conflict_do_nothing()
+                )
+            self._rejections(s, batch.rejections, now)
+
+    def _rejections(self, s: Any, rejections: list[tuple[str, str, str, bytes]], now: float) -> None:
+        if rejections:
+            s.execute(
+                sa.insert(m.Rejection),
+                [
+                    {
+                        "run_id": self.run_id,
+                        "kind": k,
+                        "key": key,
+                        "error": err,
+                        "payload": p,
+                        "created_unix_s": now,
+                    }
+                    for k, key, err, p in rejections
+                ],
+            )
+
+    def commit_executions(
+        self, rows: list[dict[str, Any]], rejections: list[tuple[str, str, str, bytes]]
+    ) -> None:
+        """Upsert execution rows; an execution that already ended keeps its first ending."""
+        now = time.time()
+        with session_scope(self.engine) as s:
+            s.execute(
+                pg_insert(m.Run).values(run_id=self.run_id, created_unix_s=now).on_conflict_do_nothing()
+            )
+            for r in rows:
+                s.execute(
+                    pg_insert(m.Task)
+                    .values(run_id=self.run_id, task_id=r["task_id"])
+                    .on_conflict_do_nothing()
+                )
+                s.execute(
+                    pg_insert(m.ExecutionGroup)
+                    .values(run_id=self.run_id, group_id=r["group_id"], task_id=r["task_id"], state="open")
+                    .on_conflict_do_nothing()
+                )
+                stmt = pg_insert(m.Execution).values(run_id=self.run_id, **r)
+                if r["ending"] != "running":
+                    stmt = stmt.on_conflict_do_update(
+                        index_elements=["run_id", "execution_id"],
+                        set_={
+                            k: stmt.excluded[k]
+                            for k in (
+                                "ending",
+                                "reward",
+                                "progress",
+                                "num_calls",
+                                "environment",
+                                "error",
+                                "ended_unix_s",
+                            )
+                        },
+                        where=m.Execution.ending == "running",
+                    )
+                else:
+                    stmt = stmt.on_conflict_do_nothing()
+                s.execute(stmt)
+            self._rejections(s, rejections, now)
+
+    # ------------------------------------------------------------------ scoring
+    def commit_group(
+        self,
+        group_id: str,
+        state: str,
+        scores: list[dict[str, Any]],
+        dedup: list[dict[str, Any]],
+        extra: dict[str, Any],
+    ) -> None:
+        with session_scope(self.engine) as s:
+            if scores:
+                s.execute(
+                    pg_insert(m.Score)
+                    .values([{"run_id": self.run_id, **r} for r in scores])
+                    .on_conflict_do_nothing()
+                )
+            if dedup:
+                s.execute(
+                    sa.insert(m.DedupRecord),
+                    [{"run_id": self.run_id, "group_id": group_id, **r} for r in dedup],
+                )
+            s.execute(
+                sa.update(m.ExecutionGroup)
+                .where(m.ExecutionGroup.run_id == self.run_id, m.ExecutionGroup.group_id == group_id)
+                .values(state=state, scored_unix_s=time.time(), **extra)
+            )
+
+    # ------------------------------------------------------------------ batches
+    def create_batch(self, packed: PackedBatch, state: str, consumer: str = "") -> None:
+        """Persist a batch and claim its groups and paths; raises IntegrityError if any was already claimed."""
+        now = time.time()
+        with session_scope(self.engine) as s:
+            s.add(
+                m.Batch(
+                    batch_id=packed.batch_id,
+                    run_id=self.run_id,
+                    state=state,
+                    created_unix_s=now,
+                    consumer=consumer,
+                    delivered_unix_s=now if state == "delivered" else None,
+                    num_tokens=packed.num_tokens,
+                    num_flat_tokens=packed.num_flat_tokens,
+                    num_paths=packed.num_paths,
+                    num_partial_paths=packed.num_partial_paths,
+                    min_version=packed.min_policy_version,
+                    max_version=packed.max_policy_version,
+                    chunks=encode_chunks(packed.chunks),
+                )
+            )
+            s.flush()
+            s.execute(
+                sa.insert(m.BatchGroup),
+                [
+                    {"run_id": self.run_id, "group_id": g, "batch_id": packed.batch_id}
+                    for g in packed.group_ids
+                ],
+            )
+            if packed.paths:
+                s.execute(
+                    sa.insert(m.BatchPath),
+                    [
+                        {
+                            "run_id": self.run_id,
+                            "execution_id": e,
+                            "leaf_node_id": n,
+                            "batch_id": packed.batch_id,
+                        }
+                        for e, n in packed.paths
+                    ],
+                )
+            s.execute(
+                sa.update(m.ExecutionGroup)
+                .where(
+                    m.ExecutionGroup.run_id == self.run_id, m.ExecutionGroup.group_id.in_(packed.group_ids)
+                )
+                .values(state="batched")
+            )
+
+    def release_batch(self, batch_id: str) -> list[str]:
+        """Delete a batch that was never delivered; its groups become scored (packable) again."""
+        with session_scope(self.engine) as s:
+            b = s.get(m.Batch, batch_id, with_for_update=True)
+            if b is None or b.state != "ready":
+                return []
+            groups = list(
+                s.scalars(sa.select(m.BatchGroup.group_id).where(m.BatchGroup.batch_id == batch_id))
+            )
+            s.execute(sa.delete(m.BatchPath).where(m.BatchPath.batch_id == batch_id))
+            s.execute(sa.delete(m.BatchGroup).where(m.BatchGroup.batch_id == batch_id))
+            s.execute(
+                sa.update(m.ExecutionGroup)
+                .where(m.ExecutionGroup.run_id == self.run_id, m.ExecutionGroup.group_id.in_(groups))
+                .values(state="scored")
+            )
+            s.delete(b)
+            return groups
+
+    def next_ready_batch(self) -> m.Batch | None:
+        with session_scope(self.engine) as s:
+            return s.scalars(
+                sa.select(m.Batch)
+                .where(m.Batch.run_id == self.run_id, m.Batch.state == "ready")
+                .order_by(m.Batch.created_unix_s)
+                .limit(1)
+            ).first()
+
+    def mark_delivered(self, batch_id: str, consumer: str) -> bool:
+        """ready -> delivered, atomically; False if someone else took it first."""
+        with session_scope(self.engine) as s:
+            res = s.execute(
+                sa.update(m.Batch)
+                .where(m.Batch.batch_id == batch_id, m.Batch.state == "ready")
+                .values(state="delivered", consumer=consumer, delivered_unix_s=time.time())
+            )
+            return bool(res.rowcount)  # type: ignore[attr-defined]
+
+    def get_batch(self, batch_id: str) -> m.Batch | None:
+        with session_scope(self.engine) as s:
+            return s.get(m.Batch, batch_id)
+
+    def ack_batch(self, batch_id: str, consumer: str, version: int) -> bool:
+        with session_scope(self.engine) as s:
+            b = s.get(m.Batch, batch_id)
+            if b is None or b.run_id != self.run_id:
+                return False
+            b.state, b.acked_unix_s, b.trained_at_version = "acked", time.time(), version
+            return True
+
+    def mark_groups(self, group_ids: list[str], state: str) -> None:
+        with session_scope(self.engine) as s:
+            s.execute(
+                sa.update(m.ExecutionGroup)
+                .where(m.ExecutionGroup.run_id == self.run_id, m.ExecutionGroup.group_id.in_(group_ids))
+                .values(state=state)
+            )
+
+    # ------------------------------------------------------------------ loading
+    def load(
+        self, ids: NodeIds
+    ) -> tuple[dict[str, TaskTree], list[m.Execution], list[m.ExecutionGroup], list[m.Call], list[m.Score]]:
+        """Everything needed to continue after a restart: trees (nodes in parent-first order), calls, states."""
+        trees: dict[str, TaskTree] = {}
+        with session_scope(self.engine) as s:
+            max_id = s.scalar(sa.select(sa.func.max(m.TreeNode.node_id))) or 0
+            ids.next_id = max(ids.next_id, int(max_id) + 1)
+            rows = s.execute(
+                sa.select(
+                    m.TreeNode.node_id,
+                    m.TreeNode.task_id,
+                    m.TreeNode.parent_id,
+                    m.TreeNode.start,
+                    m.TreeNode.tokens,
+                )
+                .where(m.TreeNode.run_id == self.run_id)
+                .order_by(m.TreeNode.start)
+            ).all()
+            pending = sorted(rows, key=lambda r: r.start)  # a parent always starts before its child
+            for r in pending:
+                tree = trees.setdefault(r.task_id, TaskTree(r.task_id, ids))
+                tree.attach_node(
+                    r.node_id, r.parent_id, np.frombuffer(r.tokens, dtype="<i4").astype(TOKEN_DTYPE), r.start
+                )
+            calls = list(s.scalars(sa.select(m.Call).where(m.Call.run_id == self.run_id)))
+            for c in calls:
+                tree = trees[c.task_id]
+                end = tree.nodes[c.end_node_id]
+                end.num_call_ends += 1
+                tree.add_record(
+                    CallRecord(
+                        c.execution_id,
+                        c.call_seq,
+                        end,
+                        c.prompt_len,
+                        np.frombuffer(c.completion_logprobs, dtype="<f4").astype(LOGPROB_DTYPE),
+                        np.frombuffer(c.completion_versions, dtype="<i8").astype(VERSION_DTYPE),
+                        c.agent_id,
+                    )
+                )
+            executions = list(s.scalars(sa.select(m.Execution).where(m.Execution.run_id == self.run_id)))
+            groups = list(
+                s.scalars(sa.select(m.ExecutionGroup).where(m.ExecutionGroup.run_id == self.run_id))
+            )
+            scores = list(s.scalars(sa.select(m.Score).where(m.Score.run_id == self.run_id)))
+        return trees, executions, groups, calls, scores
+
+    def counts(self) -> dict[str, float]:
+        with session_scope(self.engine) as s:
+            out: dict[str, float] = {}
+            models: list[tuple[str, Any]] = [
+                ("stored_calls", m.Call),
+                ("stored_nodes", m.TreeNode),
+                ("rejections", m.Rejection),
+                ("dedup_records", m.DedupRecord),
+            ]
+            for name, model in models:
+                out[name] = float(
+                    s.scalar(sa.select(sa.func.count()).select_from(model).where(model.run_id == self.run_id))
+                    or 0
+                )
+            for state, n in s.execute(
+                sa.select(m.Batch.state, sa.func.count())
+                .where(m.Batch.run_id == self.run_id)
+                .group_by(m.Batch.state)
+            ).all():
+                out[f"batches_{state}"] = float(n)
+            return out

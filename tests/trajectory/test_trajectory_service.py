@@ -1,0 +1,254 @@
+"""The trajectory service against real NATS and Postgres (fixtures start both on free ports)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import sqlalchemy as sa
+
+from gyre import rpc, store
+from gyre.bus import Bus, subjects
+from gyre.config import CommonConfig
+from gyre.service import Runtime
+from gyre.v1 import trajectory_pb2, trajectory_pb2_grpc
+from services.trajectory.config import TrajectoryConfig
+from services.trajectory.service import TrajectoryService
+from services.trajectory.workload import WorkloadConfig, end_event, generate, step_event
+
+pytestmark = pytest.mark.integration
+
+MIGRATIONS = Path(__file__).parents[2] / "services" / "trajectory" / "migrations"
+TINY = WorkloadConfig(
+    num_groups=1,
+    group_size=4,
+    task_prompt_tokens=128,
+    num_turns=6,
+    generated_tokens=16,
+    observation_tokens=32,
+    compaction_every=3,
+    summary_tokens=12,
+    retry_fraction=0.3,
+    shared_early_turns=1,
+    seed=7,
+)
+
+
+@dataclass
+class Running:
+    service: TrajectoryService
+    server: grpc.aio.Server
+    bus: Bus
+    engine: sa.Engine
+    channel: grpc.aio.Channel
+    stub: trajectory_pb2_grpc.TrajectoryStub
+
+    async def stop(self) -> None:
+        await self.service.stop()
+        await self.channel.close()
+        await self.server.stop(0)
+        await self.bus.close()
+        self.engine.dispose()
+
+
+async def start(nats_url: str, database_url: str, run_id: str, **cfg: object) -> Running:
+    await asyncio.to_thread(store.upgrade, database_url, MIGRATIONS, "alembic_version_trajectory")
+    engine = store.create_engine(database_url)
+    bus = await Bus.connect(nats_url, name="trajectory-test")
+    await bus.ensure_streams()
+    server, port = rpc.create_server()
+    common = CommonConfig(run_id=run_id, nats_url=nats_url, database_url=database_url)
+    service = TrajectoryService(common, TrajectoryConfig(ready_poll_s=0.1, batch_max_wait_s=0.0, **cfg))  # type: ignore[arg-type]
+    await service.start(
+        Runtime(common=common, bus=bus, engine=engine, server=server, port=port, name="trajectory")
+    )
+    await server.start()
+    channel = rpc.channel(f"127.0.0.1:{port}")
+    return Running(service, server, bus, engine, channel, trajectory_pb2_grpc.TrajectoryStub(channel))
+
+
+async def wait_for(predicate, timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError("condition not reached in time")
+
+
+async def stat(run: Running, name: str) -> float:
+    resp = await run.stub.GetStats(trajectory_pb2.GetStatsRequest())
+    return resp.values.get(name, 0.0)
+
+
+def unique_run() -> str:
+    return f"r{random.randrange(1 << 30)}"
+
+
+async def test_steps_on_nats_are_stored_once_despite_duplicates_and_disorder(nats_url, database_url):
+    run_id = unique_run()
+    execs = generate(TINY)
+    calls = [c for ex in execs for c in ex.calls]
+    run = await start(nats_url, database_url, run_id)
+    try:
+        shuffled = calls + random.Random(1).sample(calls, len(calls) // 2)  # half of them twice
+        random.Random(2).shuffle(shuffled)
+        for i, c in enumerate(shuffled):
+            # A distinct msg_id defeats JetStream's own dedup: the consumer must be idempotent itself.
+            await run.bus.publish(
+                subjects.steps(run_id, c.task_id),
+                step_event(run_id, c),
+                msg_id=f"{c.execution_id}.{c.call_seq}.{i}",
+            )
+        await wait_for(lambda: _received(run, len(shuffled)))
+        assert await stat(run, "stored_calls") == len(calls)
+        assert await stat(run, "steps_duplicate") == len(shuffled) - len(calls)
+        # The same steps again through gRPC: all duplicates.
+        summary = await run.stub.IngestSteps(iter([step_event(run_id, c) for c in calls]))
+        assert (summary.num_stored, summary.num_duplicates) == (0, len(calls))
+        # Lossless: export gives back every call exactly.
+        ex = execs[0]
+        resp = await run.stub.ExportExecution(
+            trajectory_pb2.ExportExecutionRequest(execution_id=ex.execution_id)
+        )
+        assert [list(c.prompt_token_ids) for c in resp.calls] == [c.prompt.tolist() for c in ex.calls]
+        assert [list(c.completion_token_ids) for c in resp.calls] == [c.completion.tolist() for c in ex.calls]
+        assert [list(c.completion_logprobs) for c in resp.calls] == [c.logprobs.tolist() for c in ex.calls]
+    finally:
+        await run.stop()
+
+
+async def _received(run: Running, n: int) -> bool:
+    return await stat(run, "steps_received") >= n
+
+
+async def publish_group(run: Running, run_id: str, execs, reward_of=None) -> None:  # type: ignore[no-untyped-def]
+    for ex in execs:
+        for c in ex.calls:
+            await run.bus.publish(
+                subjects.steps(run_id, c.task_id),
+                step_event(run_id, c),
+                msg_id=f"{c.execution_id}.{c.call_seq}",
+            )
+    for ex in execs:
+        ev = end_event(run_id, ex, None if reward_of is None else reward_of(ex))
+        await run.bus.publish(
+            subjects.executions(run_id, ex.task_id), ev, msg_id=f"{ev.event_id}.{ev.reward}"
+        )
+
+
+async def pull(run: Running, **kw: object) -> list[trajectory_pb2.BatchChunk]:
+    return [c async for c in run.stub.PullBatch(trajectory_pb2.PullBatchRequest(consumer="trainer-0", **kw))]  # type: ignore[arg-type]
+
+
+async def test_pull_batch_hands_each_path_out_once_even_across_a_restart(nats_url, database_url):
+    run_id = unique_run()
+    execs = generate(TINY)
+    run = await start(nats_url, database_url, run_id)
+    try:
+        await publish_group(run, run_id, execs)
+        chunks = await pull(run, wait_s=30.0)
+        assert chunks and chunks[-1].last
+        batch_id = chunks[0].batch_id
+        assert sum(c.num_paths for c in chunks) > 0
+        assert len(chunks[0].token_ids) == len(chunks[0].weight_pos) == len(chunks[0].position_ids)
+        assert any(chunks[0].loss_mask)
+        assert await pull(run, wait_s=0.3) == []
+    finally:
+        await run.stop()
+    run = await start(nats_url, database_url, run_id)
+    try:
+        await asyncio.sleep(0.5)  # let the restarted service consume and poll whatever it sees again
+        assert await pull(run, wait_s=0.5) == []
+        # The tree was rebuilt from Postgres: every call still exports exactly.
+        resp = await run.stub.ExportExecution(
+            trajectory_pb2.ExportExecutionRequest(execution_id=execs[1].execution_id)
+        )
+        assert [list(c.prompt_token_ids) + list(c.completion_token_ids) for c in resp.calls] == [
+            c.prompt.tolist() + c.completion.tolist() for c in execs[1].calls
+        ]
+        again = await pull(run, resume_batch_id=batch_id)
+        assert [c.SerializeToString() for c in again] == [c.SerializeToString() for c in chunks]
+        await run.stub.AckBatch(
+            trajectory_pb2.AckBatchRequest(batch_id=batch_id, consumer="trainer-0", trained_at_version=1)
+        )
+        assert await stat(run, "batches_acked") == 1
+        with engine_scope(run) as conn:
+            n_paths = conn.execute(
+                sa.text("select count(*) from traj_batch_paths where run_id=:r"), {"r": run_id}
+            ).scalar()
+        assert n_paths == sum(c.num_paths for c in chunks)
+    finally:
+        await run.stop()
+
+
+class engine_scope:  # noqa: N801 - reads as a with-statement helper
+    def __init__(self, run: Running) -> None:
+        self.conn = run.engine.connect()
+
+    def __enter__(self) -> sa.Connection:
+        return self.conn
+
+    def __exit__(self, *exc: object) -> None:
+        self.conn.close()
+
+
+async def test_nan_reward_is_rejected_with_a_clear_error_and_nothing_is_lost(nats_url, database_url):
+    run_id = unique_run()
+    execs = generate(TINY)
+    for ex in execs:
+        ex.finished = True
+    run = await start(nats_url, database_url, run_id)
+    try:
+        bad = execs[0].execution_id
+        await publish_group(
+            run, run_id, execs, reward_of=lambda ex: math.nan if ex.execution_id == bad else ex.reward
+        )
+        await wait_for(lambda: _has(run, "execution_events_rejected"))
+        await wait_for(lambda: _stored(run, sum(len(ex.calls) for ex in execs)))
+        with engine_scope(run) as conn:
+            err = conn.execute(
+                sa.text("select error from traj_rejections where run_id=:r"), {"r": run_id}
+            ).scalar()
+            ncalls = conn.execute(
+                sa.text("select count(*) from traj_calls where run_id=:r and execution_id=:e"),
+                {"r": run_id, "e": bad},
+            ).scalar()
+        assert "nan" in err and bad in err and "finite" in err
+        assert ncalls == len(execs[0].calls)
+        await asyncio.sleep(0.5)
+        assert await stat(run, "groups_scored") == 0  # the group waits for a valid ending
+        good = end_event(run_id, execs[0], reward=0.5)
+        await run.bus.publish(subjects.executions(run_id, execs[0].task_id), good, msg_id="fixed")
+        await wait_for(lambda: _has(run, "groups_scored"))
+        assert await pull(run, wait_s=10.0)
+    finally:
+        await run.stop()
+
+
+async def _stored(run: Running, n: int) -> bool:
+    return await stat(run, "stored_calls") >= n
+
+
+async def _has(run: Running, name: str) -> bool:
+    return await stat(run, name) > 0
+
+
+async def test_unknown_batch_and_execution_are_not_found(nats_url, database_url):
+    run = await start(nats_url, database_url, unique_run())
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await run.stub.ExportExecution(trajectory_pb2.ExportExecutionRequest(execution_id="nope"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pull(run, resume_batch_id="nope")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await run.stop()
