@@ -121,3 +121,43 @@ def test_tool_call_payload_is_parsed_into_openai_tool_calls() -> None:
     ]
     turn = tok.parse_assistant(ids)
     assert turn.tool_calls[0].name == "run"
+
+
+async def test_vllm_engine_protocol_against_gyres_own_endpoint(nats_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Not a real vLLM: the VLLMEngine client talks to Gyre's endpoint, which implements the same routes."""
+    from services.rollout.engines.vllm_engine import VLLMEngine
+    from services.rollout.weights import WeightSwapper
+    from tests.rollout.test_weights import weights_file
+
+    bus, sink, router, endpoint, server, port = await start_stack(nats_url)
+    endpoint.weights_loader = WeightSwapper(router).apply
+    remote = VLLMEngine("vllm0", "gpu0-0", f"http://127.0.0.1:{port}")
+    await remote.start()
+    try:
+        request = GenerationRequest(
+            "v", [tok.BOS, *tok.encode("hi"), tok.ASSISTANT], Sampling(max_tokens=6, stop_token_ids=())
+        )
+        via_http = await remote.generate(request)
+        direct = await router.generate(request)
+        assert via_http.token_ids == direct.token_ids and via_http.logprobs == pytest.approx(
+            direct.logprobs, abs=1e-5
+        )
+        await remote.sleep()
+        assert await remote.is_sleeping()
+        await remote.wake_up()
+        assert not await remote.is_sleeping()
+        await remote.load_weights(weights_file(tmp_path, 1))
+        assert remote.weight_version == 1 and router.engines["cpu0-0"].weight_version == 1
+        after = await remote.generate(request)
+        assert after.versions == [1] * 6
+        pending = asyncio.create_task(
+            remote.generate(
+                GenerationRequest("long", request.prompt_ids, Sampling(max_tokens=2000, stop_token_ids=()))
+            )
+        )
+        await asyncio.sleep(0.2)
+        await remote.drain()
+        assert (await pending).finish_reason == "cut"
+    finally:
+        await remote.close()
+        await stop_stack(bus, sink, router, server)
