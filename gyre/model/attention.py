@@ -42,6 +42,7 @@ class TreeLayout:
     node_lengths: list[int]
     node_parents: list[int]
     _chains: list[list[int]] = field(default_factory=list, repr=False)
+    _masks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.node_offsets = [int(x) for x in self.node_offsets]
@@ -103,6 +104,18 @@ class TreeLayout:
         anc = self.ancestor_matrix(device)
         idx = torch.arange(self.num_tokens, device=device)
         return anc[node[:, None], node[None, :]] & (idx[None, :] <= idx[:, None])
+
+    def suffix_causal_mask(self, node: int, device: torch.device) -> torch.Tensor:
+        """[1, 1, n, K] bool for node's queries over its visible keys: every ancestor key, causal on its own."""
+        key = (node, str(device))
+        if key not in self._masks:
+            n = self.node_lengths[node]
+            prefix = sum(self.node_lengths[j] for j in self._chains[node]) - n
+            allowed = torch.arange(prefix + n, device=device)[None, :] <= (
+                prefix + torch.arange(n, device=device)[:, None]
+            )
+            self._masks[key] = allowed[None, None]
+        return self._masks[key]
 
     def visible_keys(self, node: int) -> torch.Tensor:
         """[K] long: token indices node `node` may see (ancestors' tokens, then its own), ascending."""
@@ -166,28 +179,34 @@ def tree_attention(
     if kind == "dense":
         return _sdpa(q, k, v, layout.dense_mask(q.device)[None, None], False)
     if kind == "nodes":
-        outs = []
-        for i in range(layout.num_nodes):
-            off, n = layout.node_offsets[i], layout.node_lengths[i]
-            if n == 0:
-                continue
-            keys = layout.visible_keys(i).to(q.device)
-            prefix = keys.numel() - n
-            if prefix == 0:
-                outs.append(
-                    _sdpa(q[:, :, off : off + n], k[:, :, off : off + n], v[:, :, off : off + n], None, True)
-                )
-                continue
-            allowed = torch.arange(prefix + n, device=q.device)[None, :] <= (
-                prefix + torch.arange(n, device=q.device)[:, None]
-            )
-            outs.append(
-                _sdpa(q[:, :, off : off + n], k[:, :, keys], v[:, :, keys], allowed[None, None], False)
-            )
-        return torch.cat(outs, dim=2)
+        return _node_blocked_attention(q, k, v, layout)
     if kind == "flex":
         return _flex_tree_attention(q, k, v, layout)
     raise InvalidArgument(f"unknown attention backend {backend!r}; use auto, dense, nodes or flex")
+
+
+def _node_blocked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeLayout
+) -> torch.Tensor:
+    """One SDPA call per node over its ancestors' keys. Tensors are split into per-node pieces once
+    and each node concatenates its chain's pieces, so backward touches only the visible keys (a
+    per-node gather/slice of the whole sequence would write a full-size gradient per node)."""
+    sizes = layout.node_lengths
+    qs, ks, vs = (t.split(sizes, dim=2) for t in (q, k, v))
+    outs = []
+    for i in range(layout.num_nodes):
+        n = sizes[i]
+        if n == 0:
+            outs.append(qs[i])
+            continue
+        chain = [j for j in layout.ancestors(i) if sizes[j]]
+        if len(chain) == 1:
+            outs.append(_sdpa(qs[i], ks[i], vs[i], None, True))
+            continue
+        keys = torch.cat([ks[j] for j in chain], dim=2)
+        values = torch.cat([vs[j] for j in chain], dim=2)
+        outs.append(_sdpa(qs[i], keys, values, layout.suffix_causal_mask(i, q.device), False))
+    return torch.cat(outs, dim=2)
 
 
 def _flex_tree_attention(

@@ -70,7 +70,9 @@ class PackedBatch:
     def select_trees(self, ranges: Sequence[tuple[int, int]]) -> PackedBatch:
         """A batch of the given trees only (node indices renumbered)."""
         token_idx: list[torch.Tensor] = []
-        offsets, lengths, parents = [], [], []
+        offsets: list[int] = []
+        lengths: list[int] = []
+        parents: list[int] = []
         for a, b in ranges:
             shift_nodes = len(offsets) - a
             for i in range(a, b):
