@@ -249,11 +249,40 @@ def _postgres_os_user() -> pwd.struct_passwd | None:
 
 def _root_pgdata_home(data_dir: Path) -> Path:
     """Where the cluster of `data_dir` lives when we are root: a directory the Postgres user can
-    always reach (the run dir's ancestors may be private to root, e.g. pytest's 0700 tmp root)."""
+    always reach (the run dir's ancestors may be private to root, e.g. pytest's 0700 tmp root).
+    `<home>.owner` names the data_dir; clusters whose data_dir is gone are deleted here."""
     base = Path(tempfile.gettempdir()) / "gyre-postgres"
     base.mkdir(mode=0o711, exist_ok=True)
     base.chmod(0o711)
-    return base / hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
+    _collect_orphan_clusters(base)
+    home = base / hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
+    home.with_suffix(".owner").write_text(str(data_dir))
+    return home
+
+
+def _postmaster_alive(pgdata: Path) -> bool:
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return False
+    return True
+
+
+def _collect_orphan_clusters(base: Path) -> None:
+    """Delete relocated clusters whose run data_dir no longer exists and whose server is not running."""
+    for home in base.iterdir():
+        if not home.is_dir():
+            continue
+        owner = home.with_suffix(".owner")
+        with contextlib.suppress(OSError):
+            if owner.exists() and Path(owner.read_text()).exists():
+                continue
+        if _postmaster_alive(home):
+            continue
+        log.info("removing orphaned Postgres cluster %s (its run directory is gone)", home)
+        shutil.rmtree(home, ignore_errors=True)
+        owner.unlink(missing_ok=True)
 
 
 class EmbeddedPostgres(_ChildProcess):
@@ -389,6 +418,7 @@ class EmbeddedPostgres(_ChildProcess):
         super().stop(timeout_s)
         if not self.keep_data and self.pgdata is not None:
             shutil.rmtree(self.pgdata, ignore_errors=True)
+            self.pgdata.with_suffix(".owner").unlink(missing_ok=True)
             self.pgdata = None
         self.url = None
         self.port = None
