@@ -18,38 +18,46 @@ from gyre.config import ConfigModel
 class ModelConfig(ConfigModel):
     """Architecture of the shared GPT model (megatron-core `GPTModel`, local layer spec)."""
 
-    vocab_size: int = Field(512, ge=1, description="Number of token ids (embedding rows and logits).")
-    num_layers: int = Field(2, ge=1, description="Number of transformer layers.")
-    hidden_size: int = Field(64, ge=1, description="Width of the residual stream.")
-    num_attention_heads: int = Field(4, ge=1, description="Query heads per layer.")
+    vocab_size: int = Field(default=512, ge=1, description="Number of token ids (embedding rows and logits).")
+    num_layers: int = Field(default=2, ge=1, description="Number of transformer layers.")
+    hidden_size: int = Field(default=64, ge=1, description="Width of the residual stream.")
+    num_attention_heads: int = Field(default=4, ge=1, description="Query heads per layer.")
     num_query_groups: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="Key/value heads (grouped-query attention); None = num_attention_heads (plain multi-head).",
     )
-    ffn_hidden_size: int = Field(256, ge=1, description="Inner width of the MLP (of each half when SwiGLU).")
+    ffn_hidden_size: int = Field(
+        default=256, ge=1, description="Inner width of the MLP (of each half when SwiGLU)."
+    )
     max_position_embeddings: int = Field(
-        4096,
+        default=4096,
         ge=1,
         description="Largest position id + 1 the model accepts (tokens; learned positions' table size).",
     )
     position_embedding: Literal["rope", "learned"] = Field(
-        "rope",
+        default="rope",
         description="'rope': rotary embeddings computed from each token's own position id; "
         "'learned': a learned absolute position table indexed by position id.",
     )
-    rotary_base: float = Field(10000.0, gt=0, description="RoPE base (theta); Llama-3 uses 500000.")
+    rotary_base: float = Field(default=10000.0, gt=0, description="RoPE base (theta); Llama-3 uses 500000.")
     normalization: Literal["RMSNorm", "LayerNorm"] = Field(
-        "RMSNorm", description="Norm of every layer and the final norm."
+        default="RMSNorm", description="Norm of every layer and the final norm."
     )
-    norm_epsilon: float = Field(1e-5, gt=0, description="Epsilon of the norms.")
-    swiglu: bool = Field(True, description="Gated SiLU MLP (Llama); False = plain GeLU MLP (GPT-2).")
-    add_bias_linear: bool = Field(False, description="Biases on every linear layer (GPT-2 style).")
-    add_qkv_bias: bool = Field(False, description="Bias on the fused q/k/v projection only (Qwen2 style).")
-    tie_embeddings: bool = Field(False, description="Share the input embedding matrix with the output layer.")
-    init_std: float = Field(0.02, gt=0, description="Standard deviation of the random weight initialisation.")
+    norm_epsilon: float = Field(default=1e-5, gt=0, description="Epsilon of the norms.")
+    swiglu: bool = Field(default=True, description="Gated SiLU MLP (Llama); False = plain GeLU MLP (GPT-2).")
+    add_bias_linear: bool = Field(default=False, description="Biases on every linear layer (GPT-2 style).")
+    add_qkv_bias: bool = Field(
+        default=False, description="Bias on the fused q/k/v projection only (Qwen2 style)."
+    )
+    tie_embeddings: bool = Field(
+        default=False, description="Share the input embedding matrix with the output layer."
+    )
+    init_std: float = Field(
+        default=0.02, gt=0, description="Standard deviation of the random weight initialisation."
+    )
     attention_backend: Literal["auto", "dense", "nodes", "flex"] = Field(
-        "auto",
+        default="auto",
         description="Kernel for tree-masked attention: 'dense' = torch SDPA with a boolean [T,T] mask; "
         "'nodes' = one SDPA call per tree node over its ancestors' keys (no wasted work, CPU friendly); "
         "'flex' = torch flex attention with a block mask (CUDA); 'auto' = flex on CUDA, else nodes for "
