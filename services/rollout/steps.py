@@ -63,7 +63,8 @@ class BusStepSink:
         self.num_oversized = 0
 
     def start(self) -> asyncio.Task[None]:
-        self._task = asyncio.create_task(self._run(), name="step-publisher")
+        """Run the publishing loop as a task of this object (tests, bench); services spawn `run()`."""
+        self._task = asyncio.create_task(self.run(), name="step-publisher")
         return self._task
 
     async def publish_step(self, event: events_pb2.StepEvent) -> None:
@@ -76,7 +77,8 @@ class BusStepSink:
     def num_buffered(self) -> int:
         return self._queue.qsize()
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """The publishing loop (runs until cancelled)."""
         while True:
             batch = [await self._queue.get()]
             while len(batch) < self.batch_size and not self._queue.empty():

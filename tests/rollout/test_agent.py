@@ -12,7 +12,7 @@ from services.rollout.environments.longhorizon import LongHorizonFamily, LongHor
 from services.rollout.router import Router
 from services.rollout.steps import MemoryStepSink
 
-FAMILY = LongHorizonFamily(LongHorizonSpec(min_turns=12, max_turns=30))
+FAMILY = LongHorizonFamily(LongHorizonSpec(min_turns=12, max_turns=16))
 
 
 def spec(task_id: str, n: int = 0) -> ExecutionSpec:

@@ -1,0 +1,109 @@
+"""Configuration of the rollout service (the `rollout:` section of the run YAML)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from gyre.config import ConfigModel
+from gyre.model import ModelConfig
+
+
+class RolloutConfig(ConfigModel):
+    """Executions, engines, router and endpoint of one rollout worker."""
+
+    worker_id: str = Field(
+        "rollout-0",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Stable worker ID registered with the scheduler.",
+    )
+    scheduler_address: str | None = Field(
+        None,
+        description="Scheduler gRPC 'host:port'. Unset: standalone, an engine on every device, no leases.",
+    )
+    node: str = Field(
+        "cpu0", pattern=r"^[A-Za-z0-9_-]+$", description="Node name; devices are '<node>-<index>'."
+    )
+    num_devices: int = Field(
+        2, ge=1, description="Logical devices (CPU slots or GPUs) this worker brings to the pool."
+    )
+    device_kind: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Kind of the devices; 'cuda' puts engine i on cuda:i."
+    )
+    engine: Literal["torch", "vllm"] = Field(
+        "torch", description="Engine kind: in-process torch engine or external vLLM."
+    )
+    vllm_urls: list[str] = Field(
+        default_factory=list,
+        description="Base URL of the `vllm serve` of each device, in device order (engine: vllm).",
+    )
+    engine_max_batch: int = Field(
+        32, ge=1, description="Sequences one torch engine decodes at once (continuous batching)."
+    )
+    model: ModelConfig = Field(
+        default_factory=lambda: ModelConfig.model_validate({}),
+        description="Model architecture (must match the trainer's).",
+    )
+    init_seed: int = Field(
+        0, ge=0, description="Seed of the initial (version 0) weights, shared with the trainer."
+    )
+
+    environment: Literal["longhorizon", "workspace"] = Field(
+        "longhorizon", description="Task family of the executions."
+    )
+    workspace_tasks: Path = Field(
+        Path("examples/tasks/workspace.jsonl"), description="JSONL tasks of the workspace environment."
+    )
+    longhorizon_max_turns: int = Field(200, ge=1, description="Cap on the long-horizon task length (turns).")
+    longhorizon_num_actions: int = Field(
+        4, ge=2, description="Actions of the long-horizon family (random policy succeeds 1/n)."
+    )
+    num_tasks: int = Field(8, ge=0, description="Tasks started at boot (0: wait for StartExecutions).")
+    group_size: int = Field(4, ge=1, description="Executions per task (a GRPO group).")
+    continuous: bool = Field(
+        False, description="Start a new group of a task whenever one of its groups ends."
+    )
+    max_live_executions: int = Field(256, ge=1, description="Executions running at once; more wait.")
+
+    context: Literal["none", "compaction", "strip_reasoning"] = Field(
+        "none", description="Context management policy."
+    )
+    compact_every: int = Field(8, ge=1, description="Compaction: summarise old turns every this many calls.")
+    keep_last_turns: int = Field(2, ge=0, description="Compaction: turns kept verbatim.")
+    max_tokens: int = Field(8, ge=1, description="Tokens per LLM call.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    max_calls: int = Field(1000, ge=1, description="LLM calls per execution before it is truncated.")
+    max_context_tokens: int = Field(
+        4096, ge=16, description="Prompt + completion budget (tokens) before truncation."
+    )
+    max_staleness: int = Field(
+        4,
+        ge=-1,
+        description="New generations only on engines at most this many versions behind the newest (-1: off).",
+    )
+
+    openai_host: str = Field("127.0.0.1", description="Bind address of the OpenAI-compatible endpoint.")
+    openai_port: int | None = Field(
+        0, ge=0, description="Port of the endpoint (0: a free one, logged); unset: off."
+    )
+    step_buffer: int = Field(
+        10_000, ge=1, description="Step events buffered before agents wait (back-pressure)."
+    )
+    report_load_interval_s: float = Field(
+        2.0, gt=0, description="Seconds between ReportLoad calls to the scheduler."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutConfig:
+        if self.engine == "vllm" and len(self.vllm_urls) != self.num_devices:
+            raise ValueError(
+                f"engine 'vllm' needs one vllm_urls entry per device ({self.num_devices}), got {len(self.vllm_urls)}"
+            )
+        if self.model.vocab_size < 267:
+            raise ValueError("model.vocab_size must hold the byte tokenizer (>= 267; default 512)")
+        return self
+
+    def device_ids(self) -> list[str]:
+        return [f"{self.node}-{i}" for i in range(self.num_devices)]

@@ -1,0 +1,71 @@
+"""Starts and counts executions: a group of `group_size` executions per task, each an agent run."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+from gyre.v1 import events_pb2
+
+from .agent import Agent, ExecutionOutcome, ExecutionSpec
+from .environments.base import TaskFamily
+
+
+@dataclass
+class ExecutionCounters:
+    started: int = 0
+    completed: int = 0
+    interrupted: int = 0  # FAILED: the agent or environment crashed (never a migration)
+    migrations: int = 0
+
+
+class ExecutionManager:
+    def __init__(
+        self, agent: Agent, family: TaskFamily, *, run_id: str, seed: int, max_live: int, continuous: bool
+    ) -> None:
+        self.agent, self.family, self.run_id, self.seed = agent, family, run_id, seed
+        self.continuous = continuous
+        self.counters = ExecutionCounters()
+        self.live: dict[str, asyncio.Task[ExecutionOutcome]] = {}
+        self._slots = asyncio.Semaphore(max_live)
+        self._groups: dict[str, itertools.count[int]] = {}
+        self._stopping = False
+
+    def start_group(self, task_id: str, group_size: int) -> list[str]:
+        n = next(self._groups.setdefault(task_id, itertools.count()))
+        group_id = f"{task_id}-g{n}"
+        ids = []
+        for k in range(group_size):
+            spec = ExecutionSpec(
+                self.run_id, task_id, group_id, f"{group_id}-e{k}", self.family.name, seed=self.seed
+            )
+            self.live[spec.execution_id] = asyncio.create_task(
+                self._run(spec, group_size), name=spec.execution_id
+            )
+            ids.append(spec.execution_id)
+        return ids
+
+    def start(self, num_tasks: int, group_size: int) -> list[str]:
+        return [e for t in self.family.task_ids(num_tasks) for e in self.start_group(t, group_size)]
+
+    async def _run(self, spec: ExecutionSpec, group_size: int) -> ExecutionOutcome:
+        async with self._slots:
+            self.counters.started += 1
+            out = await self.agent.run(spec, self.family.make(spec.task_id))
+        self.live.pop(spec.execution_id, None)
+        self.counters.migrations += out.num_migrations
+        if out.kind == events_pb2.ExecutionEvent.KIND_FAILED:
+            self.counters.interrupted += 1
+        else:
+            self.counters.completed += 1
+        last_of_group = not any(e.startswith(spec.group_id + "-e") for e in self.live)
+        if self.continuous and not self._stopping and last_of_group:
+            self.start_group(spec.task_id, group_size)
+        return out
+
+    async def stop(self) -> None:
+        """Let live executions finish (the caller bounds the wait)."""
+        self._stopping = True
+        if self.live:
+            await asyncio.gather(*self.live.values(), return_exceptions=True)

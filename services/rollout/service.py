@@ -1,0 +1,303 @@
+"""The rollout service: engines on leased devices, the router, executions, weights, endpoints.
+
+    start:  router + step publisher + weight follower (gyre.weights.<run>)
+            devices: standalone -> an engine on each; with a scheduler -> RegisterWorker, then follow
+            gyre.leases.<run>.* and Heartbeat replies (LeaseFollower), ReportLoad every few seconds
+            gRPC Rollout (Generate, StartExecutions, GetStatus) + OpenAI-compatible HTTP endpoint
+            executions: num_tasks x group_size at boot (optionally continuous)
+    stop:   stop starting executions, let live ones finish (bounded by the drain timeout),
+            drain every engine, flush the step publisher
+
+Errors: RPCs go through gyre.rpc.error_boundary; a crashed execution becomes FAILED (agent.py);
+any background loop that dies takes the service down (Runtime.spawn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from gyre import rpc
+from gyre.bus import subjects
+from gyre.config import CommonConfig
+from gyre.errors import InvalidArgument
+from gyre.service import Runtime, Service
+from gyre.v1 import common_pb2, events_pb2, rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+from .agent import Agent, AgentConfig, call_seed
+from .config import RolloutConfig
+from .engines.base import Engine, GenerationRequest, Sampling
+from .environments.base import TaskFamily
+from .executions import ExecutionManager
+from .leases import LeaseFollower
+from .router import Router
+from .steps import BusStepSink
+from .weights import WeightSwapper
+
+log = logging.getLogger(__name__)
+
+
+def make_family(cfg: RolloutConfig, seed: int) -> TaskFamily:
+    if cfg.environment == "workspace":
+        from .environments.workspace import WorkspaceFamily
+
+        return WorkspaceFamily.from_jsonl(cfg.workspace_tasks)
+    from .environments.longhorizon import LongHorizonFamily, LongHorizonSpec
+
+    return LongHorizonFamily(
+        LongHorizonSpec(
+            num_actions=cfg.longhorizon_num_actions, max_turns=cfg.longhorizon_max_turns, seed=seed
+        )
+    )
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, service: RolloutService) -> None:
+        self.s = service
+
+    @rpc.error_boundary
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: Any
+    ) -> rollout_pb2.GenerateResponse:
+        sp = request.sampling
+        if not request.request_id:
+            raise InvalidArgument("request_id must be set")
+        seed = sp.seed or call_seed(0, request.request_id, 0)
+        sampling = Sampling(
+            temperature=sp.temperature,
+            max_tokens=sp.max_tokens,
+            seed=seed,
+            stop_token_ids=tuple(sp.stop_token_ids),
+            top_p=sp.top_p or 1.0,
+        )
+        out = await self.s.router.generate(
+            GenerationRequest(
+                request.request_id,
+                list(request.prompt_token_ids),
+                sampling,
+                execution_id=request.execution_id,
+            )
+        )
+        return rollout_pb2.GenerateResponse(
+            token_ids=out.token_ids,
+            logprobs=out.logprobs,
+            versions=out.versions,
+            finish_reason=out.finish_reason,
+            num_migrations=out.num_migrations,
+            engine_ids=out.engine_ids,
+        )
+
+    @rpc.error_boundary
+    async def StartExecutions(
+        self, request: rollout_pb2.StartExecutionsRequest, context: Any
+    ) -> rollout_pb2.StartExecutionsResponse:
+        if request.num_tasks <= 0 or request.group_size <= 0:
+            raise InvalidArgument("num_tasks and group_size must be > 0")
+        ids = self.s.executions.start(request.num_tasks, request.group_size)
+        return rollout_pb2.StartExecutionsResponse(execution_ids=ids)
+
+    @rpc.error_boundary
+    async def GetStatus(
+        self, request: rollout_pb2.GetStatusRequest, context: Any
+    ) -> rollout_pb2.GetStatusResponse:
+        return self.s.status()
+
+
+class RolloutService(Service):
+    name = "rollout"
+
+    def __init__(self, common: CommonConfig, cfg: RolloutConfig) -> None:
+        self.common, self.cfg = common, cfg
+        self.router = Router(max_staleness=cfg.max_staleness)
+        self.swapper = WeightSwapper(self.router)
+        self.state = common_pb2.SERVICE_STATE_STARTING
+        self._engine_seq = 0
+        self.http: Any = None
+        self.http_port = 0
+
+    # -- engines -----------------------------------------------------------------------------
+    def _new_engine(self, device_id: str) -> Engine:
+        index = self.cfg.device_ids().index(device_id)
+        self._engine_seq += 1
+        engine_id = f"{device_id}-e{self._engine_seq}"
+        if self.cfg.engine == "vllm":
+            from .engines.vllm_engine import VLLMEngine
+
+            return VLLMEngine(engine_id, device_id, self.cfg.vllm_urls[index])
+        from .engines.torch_engine import TorchEngine
+
+        return TorchEngine(
+            engine_id,
+            device_id,
+            self.cfg.model,
+            torch_device="cpu" if self.cfg.device_kind == "cpu" else f"cuda:{index}",
+            max_batch=self.cfg.engine_max_batch,
+            init_seed=self.cfg.init_seed,
+            initial_weights=self.swapper.latest,
+        )
+
+    async def start_engine(self, device_id: str) -> None:
+        if device_id in self.router.engines:
+            return
+        engine = self._new_engine(device_id)
+        await engine.start()
+        if self.swapper.latest is not None:
+            await engine.load_weights(self.swapper.latest)
+        await self.router.add_engine(engine)
+        log.info("engine %s serving on %s (weights v%d)", engine.engine_id, device_id, engine.weight_version)
+
+    async def stop_engine(self, device_id: str) -> None:
+        await self.router.remove_engine(device_id)
+        log.info("engine on %s drained and stopped", device_id)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self, rt: Runtime) -> None:
+        cfg, run_id = self.cfg, self.common.run_id
+        self.rt = rt
+        self.sink = BusStepSink(rt.bus, max_buffer=cfg.step_buffer)
+        rt.spawn(self.sink.run(), "step-publisher")
+        agent_cfg = AgentConfig(
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            max_calls=cfg.max_calls,
+            max_context_tokens=cfg.max_context_tokens,
+            context=cfg.context,
+            compact_every=cfg.compact_every,
+            keep_last_turns=cfg.keep_last_turns,
+        )
+        self.executions = ExecutionManager(
+            Agent(self.router, self.sink, agent_cfg),
+            make_family(cfg, self.common.seed),
+            run_id=run_id,
+            seed=self.common.seed,
+            max_live=cfg.max_live_executions,
+            continuous=cfg.continuous,
+        )
+        rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self), rt.server)
+        await rt.bus.consume(
+            subjects.weights(run_id),
+            events_pb2.WeightsPublishedEvent,
+            self.swapper.handle,
+            durable=f"rollout-{cfg.worker_id}-weights",
+        )
+        if cfg.scheduler_address is None:
+            for device in cfg.device_ids():
+                await self.start_engine(device)
+        else:
+            await self._join_scheduler(rt)
+        if cfg.openai_port is not None:
+            from .openai_api import OpenAIEndpoint, create_app, serve
+
+            endpoint = OpenAIEndpoint(self.router, self.sink, run_id=run_id, seed=self.common.seed)
+            endpoint.weights_loader = self.swapper.apply
+            self.http, self.http_port = await serve(create_app(endpoint), cfg.openai_host, cfg.openai_port)
+            log.info("OpenAI-compatible endpoint on http://%s:%d/v1", cfg.openai_host, self.http_port)
+        if cfg.num_tasks:
+            self.executions.start(cfg.num_tasks, cfg.group_size)
+        self.state = common_pb2.SERVICE_STATE_SERVING
+
+    async def _join_scheduler(self, rt: Runtime) -> None:
+        cfg = self.cfg
+        assert cfg.scheduler_address is not None
+        self.channel = rpc.channel(cfg.scheduler_address)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.leases = LeaseFollower(
+            cfg.worker_id, self.stub, self.start_engine, self.stop_engine, lambda d: d in self.router.engines
+        )
+        devices = [
+            common_pb2.Device(device_id=d, node=cfg.node, index=i, kind=cfg.device_kind)
+            for i, d in enumerate(cfg.device_ids())
+        ]
+        reply = await self.stub.RegisterWorker(
+            scheduler_pb2.RegisterWorkerRequest(
+                worker_id=cfg.worker_id, service="rollout", devices=devices, address=f"127.0.0.1:{rt.port}"
+            )
+        )
+        for lease in reply.leases:
+            await self.leases.apply(lease)
+
+        async def on_lease_events(events: list[events_pb2.LeaseEvent]) -> None:
+            for ev in events:
+                await self.leases.apply(ev.lease)
+
+        await rt.bus.consume(
+            subjects.leases(self.common.run_id, "*"),
+            events_pb2.LeaseEvent,
+            on_lease_events,
+            durable=f"rollout-{cfg.worker_id}-leases",
+        )
+        rt.spawn(self._heartbeat(reply.heartbeat_interval_s or 2.0), "heartbeat")
+        rt.spawn(self._report_load(), "report-load")
+
+    async def _heartbeat(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                reply = await self.stub.Heartbeat(
+                    scheduler_pb2.HeartbeatRequest(worker_id=self.cfg.worker_id)
+                )
+            except grpc.aio.AioRpcError as exc:  # scheduler briefly away: keep serving, try again
+                self.rt.count_error("heartbeat", exc)
+                continue
+            for lease in reply.leases:
+                await self.leases.apply(lease)
+
+    async def _report_load(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.report_load_interval_s)
+            engines = list(self.router.engines.values())
+            load = scheduler_pb2.WorkerLoad(
+                live_executions=len(self.executions.live),
+                queued_generations=max(0, self.router.in_flight - sum(e.num_active for e in engines)),
+                running_generations=sum(e.num_active for e in engines),
+                weight_version=min((e.weight_version for e in engines), default=0),
+                engine_capacity=self.cfg.engine_max_batch,
+            )
+            try:
+                await self.stub.ReportLoad(
+                    scheduler_pb2.ReportLoadRequest(worker_id=self.cfg.worker_id, load=load)
+                )
+            except grpc.aio.AioRpcError as exc:
+                self.rt.count_error("report_load", exc)
+
+    def status(self) -> rollout_pb2.GetStatusResponse:
+        c = self.executions.counters
+        return rollout_pb2.GetStatusResponse(
+            engines=[
+                rollout_pb2.EngineStatus(
+                    engine_id=e.engine_id,
+                    device_id=e.device_id,
+                    state=str(e.state),
+                    weight_version=e.weight_version,
+                    running=e.num_active,
+                    tokens_generated=e.tokens_generated,
+                )
+                for e in self.router.engines.values()
+            ],
+            live_executions=len(self.executions.live),
+            executions_started=c.started,
+            executions_completed=c.completed,
+            executions_interrupted=c.interrupted,
+            migrations=self.router.stats.migrations,
+            state=self.state,  # type: ignore[arg-type]
+        )
+
+    async def stop(self) -> None:
+        self.state = common_pb2.SERVICE_STATE_DRAINING
+        await self.executions.stop()
+        for device in list(self.router.engines):
+            await self.router.remove_engine(device)
+        if self.http is not None:
+            self.http.should_exit = True
+            await self.http.gyre_task
+        await self.sink.flush()
+        self.state = common_pb2.SERVICE_STATE_STOPPED
+        log.info("rollout stopped at %.0f", time.time())
+
+
+def build(common: CommonConfig, cfg: RolloutConfig) -> RolloutService:
+    return RolloutService(common, cfg)

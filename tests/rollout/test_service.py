@@ -1,0 +1,98 @@
+"""The rollout service as its own process (standalone: no scheduler), on real NATS and Postgres."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gyre.bus import Bus, subjects
+from gyre.v1 import common_pb2, events_pb2, rollout_pb2, rollout_pb2_grpc
+from services.rollout.leases import LeaseAction, decide
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_service_runs_executions_answers_grpc_and_stops_cleanly(
+    nats_url: str, postgres_url: str, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "run_id: svc-test\n"
+        "rollout:\n  num_devices: 2\n  num_tasks: 2\n  group_size: 2\n  longhorizon_max_turns: 6\n"
+        "  max_tokens: 2\n  openai_port: null\n"
+    )
+    env = {
+        **os.environ,
+        "GYRE_NATS_URL": nats_url,
+        "GYRE_DATABASE_URL": postgres_url,
+        "PYTHONWARNINGS": "ignore",
+    }
+    bus = await Bus.connect(nats_url, name="svc-test")
+    await bus.ensure_streams()
+    ended: list[events_pb2.ExecutionEvent] = []
+
+    async def collect() -> None:
+        async for ev in bus.tail(
+            subjects.executions("svc-test", "*"), events_pb2.ExecutionEvent, from_start=True
+        ):
+            if ev.kind != events_pb2.ExecutionEvent.KIND_STARTED:
+                ended.append(ev)
+            if len(ended) == 4:
+                return
+
+    collector = asyncio.create_task(collect())
+    proc = subprocess.Popen(  # noqa: ASYNC220 - one child, read in a thread
+        [sys.executable, "-m", "services.rollout", "--config", str(cfg)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120)
+        assert line.startswith("GYRE_READY rollout"), line
+        port = int(line.split()[2])
+        await asyncio.wait_for(collector, 120)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = rollout_pb2_grpc.RolloutStub(ch)
+            status = await stub.GetStatus(rollout_pb2.GetStatusRequest())
+            assert len(status.engines) == 2 and status.executions_interrupted == 0
+            gen = await stub.Generate(
+                rollout_pb2.GenerateRequest(
+                    request_id="g1",
+                    prompt_token_ids=[257, 65, 261],
+                    sampling=rollout_pb2.SamplingParams(max_tokens=3),
+                )
+            )
+            assert len(gen.token_ids) == len(gen.logprobs) == len(gen.versions) <= 3
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(rollout_pb2.GenerateRequest(request_id="g2", prompt_token_ids=[257]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await bus.close()
+    assert {e.execution_id for e in ended} == {f"lh-0000{t}-g0-e{k}" for t in range(2) for k in range(2)}
+
+
+def test_lease_decisions_follow_the_handoff_protocol() -> None:
+    S = common_pb2
+    me = "rollout-0"
+    draining = S.Lease(
+        device_id="d", holder=me, state=S.LEASE_STATE_DRAINING, role=S.DEVICE_ROLE_ROLLOUT, epoch=3
+    )
+    granted = S.Lease(
+        device_id="d", target_holder=me, target_role=S.DEVICE_ROLE_ROLLOUT, state=S.LEASE_STATE_GRANTED
+    )
+    active = S.Lease(device_id="d", holder=me, role=S.DEVICE_ROLE_ROLLOUT, state=S.LEASE_STATE_ACTIVE)
+    others = S.Lease(device_id="d", holder="trainer-0", role=S.DEVICE_ROLE_TRAIN, state=S.LEASE_STATE_ACTIVE)
+    assert decide(draining, me, serving=True) is LeaseAction.DRAIN_AND_RELEASE
+    assert decide(granted, me, serving=False) is LeaseAction.ACQUIRE_AND_SERVE
+    assert decide(active, me, serving=False) is LeaseAction.SERVE
+    assert decide(active, me, serving=True) is LeaseAction.NONE
+    assert decide(others, me, serving=False) is LeaseAction.NONE
