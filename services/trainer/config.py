@@ -1,0 +1,57 @@
+"""The trainer's configuration (the `trainer:` section of a run YAML)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from gyre.config import ConfigModel
+from gyre.model.config import ModelConfig
+
+
+class TrainerConfig(ConfigModel):
+    """Optimisation, loss, data and lifecycle settings of the policy-gradient trainer."""
+
+    worker_id: str = Field(
+        default="trainer-0", pattern=r"^[A-Za-z0-9_-]+$", description="This trainer's worker ID."
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture of the trained model.")
+    init_weights: str | None = Field(
+        default=None, description="safetensors file to start from (e.g. an HF import); None = random init."
+    )
+    lr: float = Field(default=1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(default=1.0, ge=0, description="Max global gradient norm; 0 = no clipping.")
+    clip_eps: float = Field(
+        default=0.2,
+        gt=0,
+        lt=1,
+        description="PPO ratio clip: ratios outside [1-eps, 1+eps] stop the gradient.",
+    )
+    kl_coef: float = Field(
+        default=0.0, ge=0, description="Weight of the KL to the initial (reference) model; 0 = none."
+    )
+    batch_max_tokens: int = Field(
+        default=4096, ge=1, description="Token budget of a pulled batch (tree tokens, each counted once)."
+    )
+    pull_wait_s: float = Field(
+        default=2.0, ge=0, description="How long one PullBatch waits for enough scored groups (s)."
+    )
+    max_staleness: int = Field(
+        default=4,
+        ge=0,
+        description="Tokens generated more than this many versions ago are not packed (trajectory drops them).",
+    )
+    checkpoint_every: int = Field(
+        default=10, ge=1, description="Checkpoint every N optimizer steps (and on SaveCheckpoint)."
+    )
+    keep_checkpoints: int = Field(default=2, ge=1, description="Checkpoints kept on disk (oldest deleted).")
+    max_steps: int = Field(
+        default=0, ge=0, description="Stop after this many optimizer steps; 0 = run until stopped."
+    )
+    trajectory_address: str = Field(
+        default="127.0.0.1:50052", description="gRPC host:port of the trajectory service."
+    )
+    scheduler_address: str = Field(default="127.0.0.1:50051", description="gRPC host:port of the scheduler.")
+    dtype: str = Field(
+        default="float32", pattern=r"^(float32|bfloat16|float64)$", description="Parameter dtype."
+    )
