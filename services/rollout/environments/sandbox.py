@@ -140,7 +140,12 @@ class Workspace:
         }
 
     async def run(
-        self, argv: list[str], *, cwd: Path | None = None, timeout_s: float | None = None
+        self,
+        argv: list[str],
+        *,
+        cwd: Path | None = None,
+        timeout_s: float | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> CommandResult:
         """Run argv in the sandbox; output (stdout+stderr) truncated to max_output_bytes."""
         if network_namespace_available():
@@ -148,7 +153,7 @@ class Workspace:
         proc = await asyncio.create_subprocess_exec(
             *argv,
             cwd=str(cwd or self.root),
-            env=self.child_env(),
+            env={**self.child_env(), **(extra_env or {})},
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
