@@ -168,25 +168,10 @@ def _table(model: type[BaseModel], prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def _top_level_model(module: types.ModuleType) -> type[BaseModel] | None:
-    from gyre.config import ConfigModel
-
-    models = [
-        obj
-        for obj in vars(module).values()
-        if inspect.isclass(obj)
-        and issubclass(obj, ConfigModel)
-        and obj is not ConfigModel
-        and obj.__module__ == module.__name__
-    ]
-    used = {_nested_model(f.annotation) for m in models for f in m.model_fields.values()}
-    top = [m for m in models if m not in used]
-    return top[0] if len(top) == 1 else None
-
-
 def render() -> str:
     """The whole of docs/configuration.md."""
     from gyre.config import CommonConfig
+    from gyre.launcher.config import service_config_model
 
     parts = [HEADER, "## Top level (every component)", "", _table(CommonConfig), ""]
     for section, module_name, class_name in SECTIONS:
@@ -198,7 +183,7 @@ def render() -> str:
                 raise
             parts += [f"*Not available yet: `{module_name}` does not exist in this checkout.*", ""]
             continue
-        model = getattr(module, class_name) if class_name else _top_level_model(module)
+        model = getattr(module, class_name) if class_name else service_config_model(section)
         if model is None:
             raise SystemExit(
                 f"{module_name}: cannot tell which ConfigModel is the section's; name it in SECTIONS"

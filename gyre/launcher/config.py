@@ -48,3 +48,48 @@ class LauncherConfig(ConfigModel):
         if not value:
             raise ValueError(f"name at least one service of {list(SERVICE_ORDER)}")
         return [s for s in SERVICE_ORDER if s in value]
+
+
+def service_config_model(name: str) -> type[ConfigModel] | None:
+    """The config model of `services.<name>.config` (its one top-level ConfigModel), None if the
+    service has no config module yet. Imported by module name: the launcher never depends on a
+    service's code, only on the names its config declares."""
+    import importlib
+    import inspect
+    import typing
+
+    try:
+        module = importlib.import_module(f"services.{name}.config")
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and f"services.{name}.config".startswith(exc.name):
+            return None
+        raise
+    models = [
+        obj
+        for obj in vars(module).values()
+        if inspect.isclass(obj)
+        and issubclass(obj, ConfigModel)
+        and obj is not ConfigModel
+        and obj.__module__ == module.__name__
+    ]
+    nested = {
+        arg
+        for model in models
+        for field in model.model_fields.values()
+        for arg in (field.annotation, *typing.get_args(field.annotation))
+    }
+    top = [m for m in models if m not in nested]
+    return top[0] if len(top) == 1 else None
+
+
+def address_overrides(name: str, started: dict[str, str]) -> dict[str, str]:
+    """Env overrides that point service `name` at the services already started: for every field
+    `<other>_address` of its config with `<other>` in `started`, GYRE_<NAME>__<OTHER>_ADDRESS=host:port
+    (only fields that exist: an unknown key would fail the service's config)."""
+    model = service_config_model(name)
+    fields = set(model.model_fields) if model is not None else set()
+    return {
+        f"GYRE_{name.upper()}__{other.upper()}_ADDRESS": address
+        for other, address in started.items()
+        if f"{other}_address" in fields
+    }

@@ -12,7 +12,8 @@ Start (each step waits for the previous one):
 3. each service as its own process group, in the order scheduler, trajectory, trainer, rollout:
    spawn `python -m services.<name> --config FILE --port 0`, wait for its `GYRE_READY` line, then
    for gRPC health SERVING. Children get GYRE_NATS_URL, GYRE_DATABASE_URL, GYRE_RUN_ID,
-   GYRE_RUN_DIR and GYRE_<NAME>_ADDRESS of every service started before them;
+   GYRE_RUN_DIR and, for every service started before them, GYRE_<NAME>_ADDRESS plus the override
+   of their own config field `<name>_address` if they have one (GYRE_TRAINER__TRAJECTORY_ADDRESS);
 4. `<run_dir>/endpoints.json`.
 
 A service that exits or times out during start raises DeploymentError with the tail of its log,
@@ -38,7 +39,7 @@ import psutil
 
 from gyre.config import CommonConfig, load_common, load_section
 from gyre.errors import GyreError
-from gyre.launcher.config import LauncherConfig
+from gyre.launcher.config import LauncherConfig, address_overrides
 from gyre.launcher.endpoints import FILENAME, Endpoints, ServiceEndpoint
 from gyre.launcher.healthcheck import check
 from gyre.launcher.process import ServiceProcess
@@ -159,7 +160,8 @@ class Deployment:
         }
         services: dict[str, ServiceEndpoint] = {}
         for name in self.launcher.services:
-            endpoint = self._start_service(name, env)
+            started = {other: ep.grpc_address for other, ep in services.items()}
+            endpoint = self._start_service(name, {**env, **address_overrides(name, started)})
             services[name] = endpoint
             env[address_env_var(name)] = endpoint.grpc_address
         self._endpoints = Endpoints(

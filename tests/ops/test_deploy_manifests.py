@@ -136,3 +136,43 @@ def test_nats_is_a_jetstream_cluster_of_three_behind_a_headless_service() -> Non
     conf = by_kind[("ConfigMap", "nats-config")]["data"]["nats.conf"]
     assert "jetstream" in conf
     assert len(re.findall(r"nats://nats-\d\.nats-headless", conf)) == 3
+
+
+def _section_overrides(env: dict[str, str]) -> dict[tuple[str, str], str]:
+    """{(section, field): value} of the GYRE_<SECTION>__<FIELD> variables in `env`."""
+    out = {}
+    for key, value in env.items():
+        match = re.fullmatch(r"GYRE_([A-Z]+)__([A-Z0-9_]+)", key)
+        if match:
+            out[(match[1].lower(), match[2].lower())] = value
+    return out
+
+
+def _compose_env(name: str) -> dict[str, str]:
+    return {k: str(v) for k, v in _compose()["services"][name]["environment"].items()}
+
+
+def _k8s_env(name: str) -> dict[str, str]:
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
+    container = by_kind[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", "") for e in container["env"]}
+
+
+@pytest.mark.parametrize("name", SERVICES)
+@pytest.mark.parametrize("where", ["compose", "k8s"])
+def test_services_find_each_other_through_their_own_address_fields(name: str, where: str) -> None:
+    from gyre.launcher.config import service_config_model
+
+    model = service_config_model(name)
+    if model is None:
+        pytest.skip(f"services/{name}/config.py does not exist yet")
+    env = _compose_env(name) if where == "compose" else _k8s_env(name)
+    overrides = _section_overrides(env)
+    unknown = [f for (section, f) in overrides if section == name and f not in model.model_fields]
+    assert not unknown, (
+        f"{where} sets {name} fields that do not exist (the service would refuse to start): {unknown}"
+    )
+    for field in model.model_fields:
+        other = field.removesuffix("_address")
+        if field.endswith("_address") and other in SERVICES:
+            assert overrides.get((name, field), "").startswith(other), f"{where}: {name}.{field} is not set"
