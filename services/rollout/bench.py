@@ -37,7 +37,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+async def run_bench(args: argparse.Namespace, *, reassign: bool = True) -> dict[str, Any]:
     from gyre.model import ModelConfig
     from services.rollout.agent import Agent, AgentConfig, ExecutionSpec
     from services.rollout.engines.base import Completion, GenerationRequest
@@ -84,6 +84,9 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     async def reassigner() -> None:
         nonlocal reassigned
+        if not reassign:
+            reassigned = args.reassignments
+            return
         while reassigned < args.reassignments or not done.is_set():
             busy = [d for d, e in router.engines.items() if e.num_active > 0]
             if not busy:
@@ -161,5 +164,11 @@ def main(argv: list[str]) -> int:
 
     warnings.filterwarnings("ignore")
     result = asyncio.run(run_bench(args))
+    # The plain alternative, same workload and process: no device is ever taken away.
+    plain = asyncio.run(run_bench(args, reassign=False))
+    result["tokens_per_s_without_reassignments"] = plain["tokens_per_s"]
+    result["tokens_per_s_ratio_vs_without"] = round(
+        result["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9), 3
+    )
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0 if result["executions_interrupted"] == 0 and result["token_exact"] else 1
