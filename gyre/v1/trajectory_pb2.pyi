@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class IngestSummary(_message.Message):
-    __slots__ = ("num_received", "num_stored", "num_duplicates", "num_rejected", "errors")
+    __slots__ = ("num_received", "num_stored", "num_duplicates", "num_rejected", "errors", "num_waiting")
     NUM_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     NUM_STORED_FIELD_NUMBER: _ClassVar[int]
     NUM_DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     num_received: int
     num_stored: int
     num_duplicates: int
     num_rejected: int
     errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_received: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_rejected: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_waiting: int
+    def __init__(self, num_received: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_rejected: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., num_waiting: _Optional[int] = ...) -> None: ...
 
 class PullBatchRequest(_message.Message):
     __slots__ = ("run_id", "max_tokens", "wait_s", "resume_batch_id", "consumer", "current_version")

@@ -101,8 +101,8 @@ def progress_from_json(d: dict[str, Any] | None) -> Progress:
     )
 
 
-def validate_step(step: events_pb2.StepEvent) -> None:
-    """Raise InvalidArgument naming the problem; a valid step is stored exactly as sent."""
+def validate_step(step: events_pb2.StepEvent) -> np.ndarray:
+    """Raise InvalidArgument naming the problem; return the completion log-probs (float32) of a valid step."""
     for name in ("run_id", "task_id", "group_id", "execution_id"):
         if not getattr(step, name):
             raise InvalidArgument(f"step {step.event_id!r}: {name} is empty")
@@ -116,12 +116,14 @@ def validate_step(step: events_pb2.StepEvent) -> None:
         )
     if n + len(step.prompt_token_ids) == 0:
         raise InvalidArgument(f"step {step.execution_id}.{step.call_seq}: no prompt and no completion tokens")
-    lp = np.asarray(step.completion_logprobs, dtype=np.float32)
-    if n and (not np.all(np.isfinite(lp)) or np.any(lp > 1e-3)):
+    lp = np.array(step.completion_logprobs, dtype=np.float32)
+    if n and not (np.isfinite(lp.sum()) and lp.max() <= 1e-3):
         raise InvalidArgument(
             f"step {step.execution_id}.{step.call_seq}: completion_logprobs must be finite and <= 0"
         )
-    validate_progress(progress_from_pb(step.progress), step.execution_id)
+    if step.HasField("progress"):
+        validate_progress(progress_from_pb(step.progress), step.execution_id)
+    return lp
 
 
 class TrajectoryCore:
@@ -213,10 +215,11 @@ class TrajectoryCore:
         summary = trajectory_pb2.IngestSummary(num_received=len(steps))
         async with self.lock:
             batch = StepBatch()
-            for step in steps:
+            # Call order within an execution, so a compact step's base call (earlier) comes first.
+            for step in sorted(steps, key=lambda st: (st.execution_id, st.call_seq)):
                 key = (step.execution_id, step.call_seq)
                 try:
-                    validate_step(step)
+                    logprobs = validate_step(step)
                     if step.run_id != self.run_id:
                         raise InvalidArgument(
                             f"step {step.event_id!r} belongs to run {step.run_id!r}, this service serves {self.run_id!r}"
@@ -241,14 +244,44 @@ class TrajectoryCore:
                 if key in tree.calls:
                     summary.num_duplicates += 1
                     continue
+                prompt = np.array(step.prompt_token_ids, dtype=np.int32)
+                known_prefix = None
+                if step.HasField("prompt_base_call_seq"):
+                    base = tree.calls.get((step.execution_id, step.prompt_base_call_seq))
+                    if base is None:
+                        summary.num_waiting += 1
+                        continue
+                    if (
+                        not 0 <= step.prompt_base_len <= base.total_len
+                        or step.prompt_base_call_seq >= step.call_seq
+                    ):
+                        bad = InvalidArgument(
+                            f"step {step.execution_id}.{step.call_seq}: prompt_base_len {step.prompt_base_len} must lie in "
+                            f"[0, {base.total_len}] and prompt_base_call_seq {step.prompt_base_call_seq} must be an earlier call"
+                        )
+                        summary.num_rejected += 1
+                        summary.errors.append(str(bad))
+                        batch.rejections.append(
+                            (
+                                "step",
+                                f"{step.execution_id}.{step.call_seq}",
+                                str(bad),
+                                step.SerializeToString(),
+                            )
+                        )
+                        continue
+                    head = tree.sequence(base.end_node)[: step.prompt_base_len]
+                    prompt = np.concatenate([head, prompt])
+                    known_prefix = (base.end_node, step.prompt_base_len)
                 rec, changes = tree.insert_call(
                     step.execution_id,
                     step.call_seq,
-                    np.array(step.prompt_token_ids, dtype=np.int32),
+                    prompt,
                     np.array(step.completion_token_ids, dtype=np.int32),
-                    np.array(step.completion_logprobs, dtype=np.float32),
+                    logprobs,
                     np.array(step.completion_versions, dtype=np.int64),
                     step.agent_id or "main",
+                    known_prefix,
                 )
                 assert rec is not None
                 for n in changes.created:
@@ -282,6 +315,7 @@ class TrajectoryCore:
         self.counters["steps_stored"] += summary.num_stored
         self.counters["steps_duplicate"] += summary.num_duplicates
         self.counters["steps_rejected"] += summary.num_rejected
+        self.counters["steps_waiting_for_base"] += summary.num_waiting
         return summary
 
     async def _commit(self, fn: Any, *args: Any) -> None:

@@ -22,6 +22,7 @@ import grpc
 from gyre import rpc
 from gyre.bus import Bus, Consumer, subjects
 from gyre.config import CommonConfig
+from gyre.errors import Unavailable
 from gyre.service import Runtime, Service
 from gyre.v1 import events_pb2, trajectory_pb2, trajectory_pb2_grpc
 from services.trajectory.config import TrajectoryConfig
@@ -47,6 +48,7 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
             total.num_stored += s.num_stored
             total.num_duplicates += s.num_duplicates
             total.num_rejected += s.num_rejected
+            total.num_waiting += s.num_waiting
             total.errors.extend(s.errors[: max(0, 100 - len(total.errors))])
             pending.clear()
 
@@ -128,6 +130,9 @@ class TrajectoryService(Service):
         summary = await self.core.ingest_steps(msgs)
         for err in summary.errors[:5]:
             log.warning("rejected step: %s", err)
+        if summary.num_waiting:
+            # Not acked: JetStream redelivers the batch; what was stored now is then a duplicate.
+            raise Unavailable(f"{summary.num_waiting} compact steps wait for their base call; retrying")
 
     async def _on_executions(self, msgs: list[events_pb2.ExecutionEvent]) -> None:
         assert self.core is not None

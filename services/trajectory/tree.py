@@ -150,14 +150,30 @@ class TaskTree:
         self.calls_by_execution: dict[str, dict[int, CallRecord]] = {}
 
     # ----------------------------------------------------------------- building
-    def insert_sequence(self, seq: np.ndarray, changes: TreeChanges | None = None) -> Node:
-        """Insert a token sequence; return the node it ends at (splitting one if needed)."""
+    def insert_sequence(
+        self,
+        seq: np.ndarray,
+        changes: TreeChanges | None = None,
+        known_prefix: tuple[Node, int] | None = None,
+    ) -> Node:
+        """Insert a token sequence; return the node it ends at (splitting one if needed).
+
+        ``known_prefix=(node, k)`` promises that ``seq[:k]`` equals the first k tokens of the
+        sequence ending at ``node`` (a compact step names its base call): those tokens are not
+        compared again, the walk starts at the deepest ancestor that ends within them.
+        """
         if len(seq) == 0:
             raise InvalidArgument(
                 "cannot insert an empty token sequence: a call needs prompt or completion tokens"
             )
         changes = changes if changes is not None else TreeChanges()
         node, pos, n = self.root, 0, len(seq)
+        if known_prefix is not None:
+            hint, k = known_prefix
+            while hint.node_id >= 0 and hint.end > min(k, n):
+                assert hint.parent is not None
+                hint = hint.parent
+            node, pos = hint, (hint.end if hint.node_id >= 0 else 0)
         while pos < n:
             child = node.children.get(int(seq[pos]))
             if child is None:
@@ -205,6 +221,7 @@ class TaskTree:
         logprobs: np.ndarray,
         versions: np.ndarray,
         agent_id: str = "main",
+        known_prefix: tuple[Node, int] | None = None,
     ) -> tuple[CallRecord | None, TreeChanges]:
         """Insert one call; a (execution_id, call_seq) already present changes nothing (returns None)."""
         changes = TreeChanges()
@@ -217,7 +234,7 @@ class TaskTree:
                 "must have the same length"
             )
         seq = np.concatenate([np.asarray(prompt, TOKEN_DTYPE), np.asarray(completion, TOKEN_DTYPE)])
-        end = self.insert_sequence(seq, changes)
+        end = self.insert_sequence(seq, changes, known_prefix)
         end.num_call_ends += 1
         rec = CallRecord(
             execution_id,

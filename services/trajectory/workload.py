@@ -275,3 +275,24 @@ def end_event(run_id: str, ex: GeneratedExecution, reward: float | None = None) 
     if ex.finished:
         ev.reward = ex.reward if reward is None else reward
     return ev
+
+
+def compact_step_events(run_id: str, calls: list[GeneratedCall]) -> list[Any]:
+    """StepEvents of one execution with compact prompts: each names the previous call as its base
+    and carries only the tokens after the longest common prefix with that call's sequence."""
+    out = []
+    prev: np.ndarray | None = None
+    for c in sorted(calls, key=lambda c: c.call_seq):
+        ev = step_event(run_id, c)
+        if prev is not None:
+            m = min(len(prev), len(c.prompt))
+            diff = np.flatnonzero(prev[:m] != c.prompt[:m])
+            common = int(diff[0]) if len(diff) else m
+            if common > 0:
+                ev.prompt_base_call_seq = c.call_seq - 1
+                ev.prompt_base_len = common
+                del ev.prompt_token_ids[:]
+                ev.prompt_token_ids.extend(c.prompt[common:].tolist())
+        out.append(ev)
+        prev = np.concatenate([c.prompt, c.completion])
+    return out

@@ -252,3 +252,27 @@ async def test_unknown_batch_and_execution_are_not_found(nats_url, database_url)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         await run.stop()
+
+
+async def test_compact_steps_rebuild_exact_prompts_and_wait_for_their_base_call(nats_url, database_url):
+    from services.trajectory.workload import compact_step_events
+
+    run_id = unique_run()
+    ex = generate(TINY)[0]
+    compact = compact_step_events(run_id, ex.calls)
+    assert sum(len(s.prompt_token_ids) for s in compact) < sum(len(c.prompt) for c in ex.calls) / 2
+    run = await start(nats_url, database_url, run_id)
+    try:
+        early = await run.stub.IngestSteps(iter(compact[1:2]))  # its base call 0 has not arrived
+        assert (early.num_stored, early.num_waiting) == (0, 1)
+        # Over NATS, in reverse order: waiting steps are redelivered until their base is stored.
+        for s in reversed(compact):
+            await run.bus.publish(subjects.steps(run_id, s.task_id), s, msg_id=s.event_id)
+        await wait_for(lambda: _stored(run, len(compact)), timeout_s=60)
+        resp = await run.stub.ExportExecution(
+            trajectory_pb2.ExportExecutionRequest(execution_id=ex.execution_id)
+        )
+        assert [list(c.prompt_token_ids) for c in resp.calls] == [c.prompt.tolist() for c in ex.calls]
+        assert [list(c.completion_token_ids) for c in resp.calls] == [c.completion.tolist() for c in ex.calls]
+    finally:
+        await run.stop()
