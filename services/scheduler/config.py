@@ -1,0 +1,64 @@
+"""Configuration of the scheduler service (the `scheduler:` section of a run YAML)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from gyre.config import ConfigModel
+
+
+class SchedulerConfig(ConfigModel):
+    """Device pool, leases and the policy that moves devices between rollout and training."""
+
+    policy: Literal["colocate", "async", "elastic"] = Field(
+        "elastic", description="Initial policy; SetPolicy changes it at run time (persisted)."
+    )
+    staleness_bound: int = Field(
+        1, ge=0, description="Max (train step - policy version an execution started with); async and elastic."
+    )
+    async_rollout_devices: int | None = Field(
+        None,
+        ge=1,
+        description="Devices the async policy keeps on rollout (fixed split); unset = half the pool.",
+    )
+    num_logical_devices: int = Field(
+        0,
+        ge=0,
+        description="Logical devices (CPU slots 'cpu0-0'...) the scheduler adds IDLE at start, for machines "
+        "without accelerators; 0 = only devices that workers register.",
+    )
+    plan_interval_s: float = Field(1.0, gt=0, description="Seconds between two runs of the plan loop.")
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between worker heartbeats (told to workers)."
+    )
+    worker_timeout_s: float = Field(
+        10.0, gt=0, description="A worker silent this long (s) is declared dead; its devices are fenced."
+    )
+    drain_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a holder has to drain and Release after a REASSIGN; then rolled back.",
+    )
+    grant_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a grantee has to Acquire after GRANTED; then the device goes IDLE."
+    )
+    default_engine_capacity: int = Field(
+        4, ge=1, description="Executions one rollout device hosts, until a worker reports engine_capacity."
+    )
+    sim_workload: Path | None = Field(
+        None,
+        description="Workload YAML (docs/simulator.md) describing this deployment; `gyre compare` asks the "
+        "simulator to predict it. Relative paths are relative to the run YAML.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerConfig:
+        if self.worker_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"worker_timeout_s ({self.worker_timeout_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or every worker is declared dead between two heartbeats"
+            )
+        return self
