@@ -48,6 +48,7 @@ class Running:
     engine: sa.Engine
     channel: grpc.aio.Channel
     stub: trajectory_pb2_grpc.TrajectoryStub
+    server_port: int
 
     async def stop(self) -> None:
         await self.service.stop()
@@ -64,13 +65,15 @@ async def start(nats_url: str, database_url: str, run_id: str, **cfg: object) ->
     await bus.ensure_streams()
     server, port = rpc.create_server()
     common = CommonConfig(run_id=run_id, nats_url=nats_url, database_url=database_url)
-    service = TrajectoryService(common, TrajectoryConfig(ready_poll_s=0.1, batch_max_wait_s=0.0, **cfg))  # type: ignore[arg-type]
+    service = TrajectoryService(
+        common, TrajectoryConfig.model_validate({"ready_poll_s": 0.1, "batch_max_wait_s": 0.0, **cfg})
+    )
     await service.start(
         Runtime(common=common, bus=bus, engine=engine, server=server, port=port, name="trajectory")
     )
     await server.start()
     channel = rpc.channel(f"127.0.0.1:{port}")
-    return Running(service, server, bus, engine, channel, trajectory_pb2_grpc.TrajectoryStub(channel))
+    return Running(service, server, bus, engine, channel, trajectory_pb2_grpc.TrajectoryStub(channel), port)
 
 
 async def wait_for(predicate, timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
@@ -274,5 +277,71 @@ async def test_compact_steps_rebuild_exact_prompts_and_wait_for_their_base_call(
         )
         assert [list(c.prompt_token_ids) for c in resp.calls] == [c.prompt.tolist() for c in ex.calls]
         assert [list(c.completion_token_ids) for c in resp.calls] == [c.completion.tolist() for c in ex.calls]
+    finally:
+        await run.stop()
+
+
+async def test_unfinished_executions_are_scored_as_partial_after_the_configured_wait(nats_url, database_url):
+    run_id = unique_run()
+    execs = generate(TINY)
+    run = await start(nats_url, database_url, run_id, train_unfinished_after_s=0.2)
+    try:
+        for ex in execs:
+            for c in ex.calls:
+                await run.bus.publish(
+                    subjects.steps(run_id, c.task_id),
+                    step_event(run_id, c),
+                    msg_id=c.execution_id + f".{c.call_seq}",
+                )
+        for ex in execs[1:]:  # execs[0] never ends
+            ev = end_event(run_id, ex)
+            await run.bus.publish(subjects.executions(run_id, ex.task_id), ev, msg_id=ev.event_id)
+        chunks = await pull(run, wait_s=30.0)
+        assert sum(c.num_partial_paths for c in chunks) >= 1
+        with engine_scope(run) as conn:
+            partial, source = conn.execute(
+                sa.text("select partial, source from traj_scores where run_id=:r and execution_id=:e"),
+                {"r": run_id, "e": execs[0].execution_id},
+            ).one()
+        assert partial and source == "none"  # TINY steps carry no progress signal
+    finally:
+        await run.stop()
+
+
+async def test_groups_older_than_the_staleness_bound_are_dropped_not_trained(nats_url, database_url):
+    run_id = unique_run()
+    execs = generate(TINY)
+    run = await start(
+        nats_url, database_url, run_id, max_staleness=2, min_batch_fill=1.0, batch_max_wait_s=3600.0
+    )
+    try:
+        await publish_group(run, run_id, execs)
+        await wait_for(lambda: _has(run, "groups_scored"))
+        assert await pull(run, wait_s=0.2, current_version=10) == []  # tokens are version 0
+        assert await stat(run, "groups_dropped_stale") == 1
+        assert await pull(run, wait_s=0.2) == []  # dropped for good
+    finally:
+        await run.stop()
+
+
+async def test_export_command_prints_every_call_as_json(nats_url, database_url, capsys):
+    from services.trajectory import cli
+
+    run_id = unique_run()
+    ex = generate(TINY)[0]
+    run = await start(nats_url, database_url, run_id)
+    try:
+        summary = await run.stub.IngestSteps(iter([step_event(run_id, c) for c in ex.calls]))
+        assert summary.num_stored == len(ex.calls)
+        import json as _json
+
+        address = f"127.0.0.1:{run.server_port}"
+        code = await asyncio.to_thread(
+            cli.main, ["export", "--execution", ex.execution_id, "--address", address]
+        )
+        assert code == 0
+        out = _json.loads(capsys.readouterr().out)
+        assert [c["completion_token_ids"] for c in out["calls"]] == [c.completion.tolist() for c in ex.calls]
+        assert [c["prompt_token_ids"] for c in out["calls"]] == [c.prompt.tolist() for c in ex.calls]
     finally:
         await run.stop()
