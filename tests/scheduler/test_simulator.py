@@ -88,3 +88,18 @@ def test_sim_cli_rejects_a_bad_workload_file_with_a_clear_error(capsys, tmp_path
     bad.write_text("name: x\nnum_devices: 7\n")
     assert sim_main(["--workload-file", str(bad)]) == 2
     assert "gyre sim:" in capsys.readouterr().err
+
+
+def test_predict_reads_the_workload_named_by_a_run_config(tmp_path) -> None:
+    run = tmp_path / "run.yaml"
+    run.write_text(f"run_id: x\nscheduler:\n  policy: colocate\n  sim_workload: {SMALL}\n")
+    out = predict(run, policy=None, measured={"time_per_step_s": 1.0})
+    assert out == predict(load_workload_file(SMALL), "colocate")
+    assert out["device_idle_fraction"] == pytest.approx(1 - out["device_utilization"], abs=1e-3)
+
+
+def test_predict_explains_a_run_config_without_a_workload(tmp_path) -> None:
+    run = tmp_path / "run.yaml"
+    run.write_text("run_id: x\nscheduler:\n  policy: elastic\n")
+    with pytest.raises(ValueError, match="sim_workload"):
+        predict(run)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Policy
 from services.scheduler.sim.cost import CostModel
 from services.scheduler.sim.engine import SimResult, Simulation
 from services.scheduler.sim.sample import ExecutionPlan, sample_executions
-from services.scheduler.sim.workload import Workload
+from services.scheduler.sim.workload import Workload, load_workload_file
 
 
 def _prepared(w: Workload) -> tuple[list[list[ExecutionPlan]], CostModel]:
@@ -55,6 +58,7 @@ def _summary(r: SimResult) -> dict[str, Any]:
     return {
         "time_per_step_s": round(r.time_per_step_s, 1),
         "device_utilization": round(r.device_utilization, 4),
+        "device_idle_fraction": round(1 - r.device_utilization, 4),
         "max_staleness": r.max_staleness,
         "num_migrations": r.num_migrations,
         "num_role_changes": r.num_role_changes,
@@ -105,10 +109,25 @@ def compare(w: Workload) -> Comparison:
     return Comparison(w, results, n, sweep)
 
 
-def predict(w: Workload, policy: str, num_rollout_devices: int | None = None) -> dict[str, Any]:
-    """The simulator's prediction for one policy on a (small) workload: time_per_step_s,
-    device_utilization, max_staleness, ... For `async`, the split is `num_rollout_devices` if given
-    (rounded down to whole units), else the best split from a sweep."""
+def predict(
+    workload: Workload | str | Path,
+    policy: str | None = "elastic",
+    num_rollout_devices: int | None = None,
+    measured: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The simulator's prediction for one policy: time_per_step_s, device_utilization,
+    device_idle_fraction (= 1 - utilization), max_staleness, ...
+
+    `workload` is a Workload, a workload YAML file, or a run YAML whose `scheduler.sim_workload`
+    names one (relative to the run YAML); `policy` None means the run's `scheduler.policy` (else
+    elastic). For `async`, the split is `num_rollout_devices` if given (whole units), else the best
+    split from a sweep. `measured` (the run's summary) is accepted for callers that pass it; the
+    prediction does not use it, so predicted and measured stay independent."""
+    del measured
+    if not isinstance(workload, Workload):
+        workload, policy = _workload_from_file(Path(workload), policy)
+    w = workload
+    policy = policy or "elastic"
     if policy == "colocate":
         r = simulate(w, ColocatePolicy())
     elif policy == "elastic":
@@ -125,3 +144,20 @@ def predict(w: Workload, policy: str, num_rollout_devices: int | None = None) ->
     else:
         raise ValueError(f"unknown policy {policy!r}; choose colocate, async or elastic")
     return _summary(r)
+
+
+def _workload_from_file(path: Path, policy: str | None) -> tuple[Workload, str | None]:
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a YAML mapping")
+    if "domains" in data:
+        return Workload.model_validate(data), policy
+    section = data.get("scheduler") or {}
+    ref = section.get("sim_workload")
+    if not ref:
+        raise ValueError(
+            f"{path} is a run config without scheduler.sim_workload; set it to a workload YAML "
+            "(docs/simulator.md) that describes this deployment to get a prediction"
+        )
+    wpath = Path(ref) if Path(ref).is_absolute() else path.parent / ref
+    return load_workload_file(wpath), policy or section.get("policy")
