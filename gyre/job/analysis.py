@@ -8,8 +8,10 @@ Reward: one sample per scored group (`GroupScoredEvent.reward_mean`, which inclu
 progress of unfinished executions); when a run has no scored groups, one sample per ended
 execution (its final reward, else milestones reached / milestones total).
 
-Learning verdict (the rule): with N trainer steps, the first (last) 20% of steps are the first
-(last) k = max(1, round(0.2 * (N + 1))) of the steps 0..N. `reward_first20` and `reward_last20`
+Learning verdict (the rule): with N trainer steps (steps 0..N-1 end with the publication of
+versions 1..N), the first (last) 20% of steps are the first (last) k = max(1, round(0.2 * N)) of
+them; the last window also holds what was scored after version N (the run's drain), the first
+window also holds step 0's warm-up. `reward_first20` and `reward_last20`
 are the mean reward of the samples in those steps, each with a 95% percentile-bootstrap interval.
 The run **learned** iff the 95% bootstrap interval of the difference `last20 - first20` lies
 entirely above 0 — the improvement is larger than the sampling noise of both windows.
@@ -192,15 +194,15 @@ def bootstrap_difference(
 
 
 def window_steps(num_steps: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Inclusive step ranges of the first and last 20% of the steps 0..num_steps."""
-    total = num_steps + 1
-    k = max(1, round(0.2 * total))
-    return (0, k - 1), (total - k, num_steps)
+    """Inclusive step ranges of the first and last 20% of the steps 0..num_steps-1 (the last one
+    extended to num_steps, the drain after the final publication)."""
+    k = max(1, round(0.2 * num_steps))
+    return (0, k - 1), (num_steps - k, num_steps)
 
 
 def reward_verdict(steps: list[StepRow], num_steps: int, *, seed: int = 0) -> RewardVerdict | None:
     """reward_first20 / reward_last20 with intervals and the learning verdict; None without 2 steps."""
-    if num_steps < 1:
+    if num_steps < 2:
         return None
     (f0, f1), (l0, l1) = window_steps(num_steps)
     first = [x for r in steps if f0 <= r.step <= f1 for x in r.reward_samples]

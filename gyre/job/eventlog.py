@@ -34,7 +34,9 @@ def summarise_step(step_dict: dict[str, Any]) -> dict[str, Any]:
     completion = step_dict.pop("completion_token_ids", [])
     step_dict.pop("completion_logprobs", None)
     versions = step_dict.pop("completion_versions", [])
-    step_dict["num_prompt_tokens"] = len(prompt)
+    # a compact prompt (prompt_base_call_seq set) is `prompt_base_len` tokens of an earlier call + these
+    base = int(step_dict.get("prompt_base_len", 0)) if "prompt_base_call_seq" in step_dict else 0
+    step_dict["num_prompt_tokens"] = base + len(prompt)
     step_dict["num_completion_tokens"] = len(completion)
     step_dict["completion_version_counts"] = {
         str(v): n for v, n in sorted(Counter(int(x) for x in versions).items())

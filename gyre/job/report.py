@@ -120,7 +120,7 @@ def headline(a: RunAnalysis) -> list[str]:
     """The lines `gyre run` prints at the end (and report.md repeats)."""
     v = a.verdict
     if v is None:
-        return ["reward_first20: n/a (no trainer step completed)", "reward_last20: n/a", "learned: no"]
+        return ["reward_first20: n/a (fewer than 2 trainer steps)", "reward_last20: n/a", "learned: no"]
     return [
         f"reward_first20: {v.first20.fmt()}  (steps {v.first_steps[0]}-{v.first_steps[1]}, 95% bootstrap CI)",
         f"reward_last20:  {v.last20.fmt()}  (steps {v.last_steps[0]}-{v.last_steps[1]}, 95% bootstrap CI)",
@@ -132,8 +132,24 @@ def _fmt(x: float, digits: int = 2) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
+def service_counters(run_dir: Path) -> dict[str, float]:
+    """The trajectory service's final counters (final_stats.json written by `gyre run`), or {}."""
+    path = run_dir / "final_stats.json"
+    try:
+        values = json.loads(path.read_text())["trajectory"]["values"]
+        return {k: float(v) for k, v in values.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def render_markdown(a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path) -> str:
     """report.md text."""
+    counters = service_counters(run_dir)
+    service_ratio = (
+        counters["batched_flat_tokens"] / counters["batched_tokens"]
+        if counters.get("batched_tokens")
+        else math.nan
+    )
     rel = {
         k: p.relative_to(run_dir).as_posix() if p.is_relative_to(run_dir) else str(p)
         for k, p in plot_paths.items()
@@ -184,7 +200,9 @@ def render_markdown(a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path) 
         f"- LLM calls: {a.num_llm_calls}; generated tokens: {a.num_completion_tokens} "
         f"({_fmt(a.tokens_per_s, 1)} tokens/s); live migrations: {a.num_migrations}",
         f"- context events (non-prefix histories): {a.num_context_events or 'none'}",
-        f"- tree-token ratio over all batches (flat tokens / tree tokens): {_fmt(a.tree_token_ratio)}x",
+        f"- tree-token ratio over all batches (flat tokens / tree tokens): {_fmt(a.tree_token_ratio)}{'x' if math.isfinite(a.tree_token_ratio) else ''} from "
+        f"batch-ready events; {_fmt(service_ratio)}{'x' if math.isfinite(service_ratio) else ''} from the trajectory service's final counters "
+        f"({int(counters.get('batches_built', 0))} batches built)",
         f"- exact duplicates merged: {sum(r.num_exact_merged for r in a.steps)}; "
         f"near duplicates down-weighted: {sum(r.num_near_duplicates for r in a.steps)}",
         f"- executions: {a.execution_counts or 'none'}",
@@ -225,6 +243,12 @@ def build_report(run_dir: Path, *, extra: dict[str, Any] | None = None, seed: in
     plot_paths = plots.write_all(analysis, run_dir / "plots")
     report_path = run_dir / REPORT_NAME
     report_path.write_text(render_markdown(analysis, plot_paths, run_dir), encoding="utf-8")
+    counters = service_counters(run_dir)
+    if counters.get("batched_tokens"):
+        extra = {
+            **(extra or {}),
+            "service_tree_token_ratio": counters["batched_flat_tokens"] / counters["batched_tokens"],
+        }
     summary = summary_of(analysis, extra)
     summary_path = run_dir / SUMMARY_NAME
     summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")

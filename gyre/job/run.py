@@ -85,6 +85,41 @@ def prepare_run_dir(run_dir: Path) -> Path | None:
     return old
 
 
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+# (section, field) -> the service whose gRPC address it needs
+_ADDRESS_FIELDS = {
+    ("rollout", "scheduler_address"): "scheduler",
+    ("trainer", "scheduler_address"): "scheduler",
+    ("trainer", "trajectory_address"): "trajectory",
+}
+
+
+def service_wiring(raw: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Ports chosen up front and the address fields that point services at each other.
+
+    Each started service gets `--port P` (a free port now), and every `<section>.<x>_address` field
+    the config leaves unset is given that address through `GYRE_<SECTION>__<FIELD>` in the services'
+    environment. Returns (service_args, extra_env) for `Deployment`.
+    """
+    from gyre.launcher.config import LauncherConfig
+
+    launcher = load_section(LauncherConfig, "launcher", data=raw)
+    ports = {name: _free_port(launcher.host) for name in launcher.services}
+    service_args = {name: ["--port", str(port)] for name, port in ports.items()}
+    extra_env: dict[str, str] = {}
+    for (section, fld), target in _ADDRESS_FIELDS.items():
+        if target in ports and section in ports and not (raw.get(section) or {}).get(fld):
+            extra_env[f"GYRE_{section.upper()}__{fld.upper()}"] = f"{launcher.host}:{ports[target]}"
+    return service_args, extra_env
+
+
 # ---------------------------------------------------------------------------------------------
 # the drive loop (asyncio, inside a started Deployment)
 
@@ -239,8 +274,13 @@ def run_job(
     )
     started = time.time()
     try:
+        service_args, extra_env = service_wiring(raw)
         with Deployment(
-            effective, run_dir=out_dir, on_progress=lambda line: print(f"  {line}", flush=True)
+            effective,
+            run_dir=out_dir,
+            service_args=service_args,
+            extra_env=extra_env,
+            on_progress=lambda line: print(f"  {line}", flush=True),
         ) as dep:
             print(
                 f"deployment up in {time.time() - started:.1f} s; endpoints in {out_dir / 'endpoints.json'}"

@@ -44,7 +44,7 @@ def test_rising_reward_is_judged_learned_and_report_is_written(
     assert a.num_steps == 10
     assert a.verdict is not None and a.verdict.learned
     assert a.verdict.first20.mean < a.verdict.last20.mean
-    assert a.verdict.first_steps == (0, 1) and a.verdict.last_steps == (9, 10)
+    assert a.verdict.first_steps == (0, 1) and a.verdict.last_steps == (8, 10)
     text = report.report_path.read_text()
     assert "reward_first20" in text and "reward_last20" in text and "learned: yes" in text
     for png in report.plot_paths.values():
@@ -87,9 +87,9 @@ def test_device_time_tree_ratio_dedup_and_staleness_follow_the_events(
 
 
 def test_windows_cover_a_fifth_of_the_steps_each() -> None:
-    assert window_steps(1) == ((0, 0), (1, 1))
-    assert window_steps(10) == ((0, 1), (9, 10))
-    assert window_steps(24) == ((0, 4), (20, 24))
+    assert window_steps(2) == ((0, 0), (1, 2))
+    assert window_steps(10) == ((0, 1), (8, 10))
+    assert window_steps(25) == ((0, 4), (20, 25))
 
 
 def test_bootstrap_interval_contains_the_mean_and_shrinks_with_more_samples() -> None:
