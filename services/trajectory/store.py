@@ -7,7 +7,6 @@ crash leaves either all of it or none of it. Inserts of calls use ON CONFLICT DO
 
 from __future__ import annotations
 
-import json
 import struct
 import time
 from collections.abc import Iterable
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
+from psycopg.types.json import Jsonb
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from gyre.store import session_scope
@@ -82,6 +82,25 @@ _CALL_COLS = (
     "run_id, execution_id, call_seq, task_id, group_id, end_node_id, prompt_len, total_len, completion_logprobs, "
     "completion_versions, agent_id, progress, context_event, num_migrations, received_unix_s"
 )
+
+_NODE_TYPES = ["int8", "varchar", "varchar", "int8", "int4", "int4", "bytea", "bytea"]
+_CALL_TYPES = [
+    "varchar",
+    "varchar",
+    "int4",
+    "varchar",
+    "varchar",
+    "int8",
+    "int4",
+    "int4",
+    "bytea",
+    "bytea",
+    "varchar",
+    "jsonb",
+    "varchar",
+    "int4",
+    "float8",
+]
 
 
 class TrajectoryStore:
@@ -158,7 +177,7 @@ class TrajectoryStore:
                     c.record.completion_logprobs.astype("<f4").tobytes(),
                     c.record.completion_versions.astype("<i8").tobytes(),
                     c.record.agent_id,
-                    json.dumps(c.progress) if c.progress is not None else None,
+                    Jsonb(c.progress) if c.progress is not None else None,
                     c.context_event,
                     c.num_migrations,
                     now,
@@ -168,14 +187,16 @@ class TrajectoryStore:
             # COPY, not INSERT: compiling thousands of bound parameters costs more than the write.
             cur = s.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
             if node_new:
-                with cur.copy(f"COPY traj_tree_nodes ({_NODE_COLS}) FROM STDIN") as cp:
+                with cur.copy(f"COPY traj_tree_nodes ({_NODE_COLS}) FROM STDIN (FORMAT BINARY)") as cp:
+                    cp.set_types(_NODE_TYPES)
                     for r in node_new:
                         cp.write_row(r)
             if node_upd:
                 cur.execute(
                     "CREATE TEMP TABLE IF NOT EXISTS traj_tmp_nodes (LIKE traj_tree_nodes) ON COMMIT DELETE ROWS"
                 )
-                with cur.copy(f"COPY traj_tmp_nodes ({_NODE_COLS}) FROM STDIN") as cp:
+                with cur.copy(f"COPY traj_tmp_nodes ({_NODE_COLS}) FROM STDIN (FORMAT BINARY)") as cp:
+                    cp.set_types(_NODE_TYPES)
                     for r in node_upd:
                         cp.write_row(r)
                 cur.execute(
@@ -186,7 +207,8 @@ class TrajectoryStore:
                 cur.execute(
                     "CREATE TEMP TABLE IF NOT EXISTS traj_tmp_calls (LIKE traj_calls) ON COMMIT DELETE ROWS"
                 )
-                with cur.copy(f"COPY traj_tmp_calls ({_CALL_COLS}) FROM STDIN") as cp:
+                with cur.copy(f"COPY traj_tmp_calls ({_CALL_COLS}) FROM STDIN (FORMAT BINARY)") as cp:
+                    cp.set_types(_CALL_TYPES)
                     for r in call_rows:
                         cp.write_row(r)
                 cur.execute(

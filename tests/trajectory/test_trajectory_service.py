@@ -187,7 +187,11 @@ async def test_pull_batch_hands_each_path_out_once_even_across_a_restart(nats_ur
             n_paths = conn.execute(
                 sa.text("select count(*) from traj_batch_paths where run_id=:r"), {"r": run_id}
             ).scalar()
+            kinds = {
+                r[0] for r in conn.execute(sa.text("select distinct jsonb_typeof(progress) from traj_calls"))
+            }
         assert n_paths == sum(c.num_paths for c in chunks)
+        assert kinds == {"object"}
     finally:
         await run.stop()
 
