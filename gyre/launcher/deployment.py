@@ -13,7 +13,8 @@ Start (each step waits for the previous one):
    spawn `python -m services.<name> --config FILE --port 0`, wait for its `GYRE_READY` line, then
    for gRPC health SERVING. Children get GYRE_NATS_URL, GYRE_DATABASE_URL, GYRE_RUN_ID,
    GYRE_RUN_DIR and, for every service started before them, GYRE_<NAME>_ADDRESS plus the override
-   of their own config field `<name>_address` if they have one (GYRE_TRAINER__TRAJECTORY_ADDRESS);
+   of their own config field `<name>_address` if they have one and neither the config nor the
+   environment sets it (GYRE_TRAINER__TRAJECTORY_ADDRESS);
 4. `<run_dir>/endpoints.json`.
 
 A service that exits or times out during start raises DeploymentError with the tail of its log,
@@ -37,7 +38,7 @@ from typing import Any, Self
 
 import psutil
 
-from gyre.config import CommonConfig, load_common, load_section
+from gyre.config import CommonConfig, load_common, load_section, load_yaml
 from gyre.errors import GyreError
 from gyre.launcher.config import LauncherConfig, address_overrides
 from gyre.launcher.endpoints import FILENAME, Endpoints, ServiceEndpoint
@@ -85,7 +86,8 @@ class Deployment:
         on_progress: Callable[[str], None] | None = None,
     ) -> None:
         self.config_path = Path(config_path).resolve() if config_path is not None else None
-        common = load_common(self.config_path)
+        self._raw = load_yaml(self.config_path)
+        common = load_common(data=self._raw)
         overrides: dict[str, Any] = {}
         if services is not None:
             overrides["services"] = list(services)
@@ -93,7 +95,7 @@ class Deployment:
             overrides["start_timeout_s"] = start_timeout_s
         if stop_grace_s is not None:
             overrides["stop_grace_s"] = stop_grace_s
-        launcher = load_section(LauncherConfig, "launcher", self.config_path)
+        launcher = load_section(LauncherConfig, "launcher", data=self._raw)
         self.launcher = LauncherConfig.model_validate({**launcher.model_dump(), **overrides})
         self.common: CommonConfig = common
         self.run_dir = Path(run_dir if run_dir is not None else common.run_dir).resolve()
@@ -161,7 +163,14 @@ class Deployment:
         services: dict[str, ServiceEndpoint] = {}
         for name in self.launcher.services:
             started = {other: ep.grpc_address for other, ep in services.items()}
-            endpoint = self._start_service(name, {**env, **address_overrides(name, started)})
+            section = self._raw.get(name)
+            given: dict[str, Any] = section if isinstance(section, dict) else {}
+            wiring = {
+                key: value
+                for key, value in address_overrides(name, started).items()
+                if key not in env and not given.get(key.split("__", 1)[1].lower())
+            }
+            endpoint = self._start_service(name, {**env, **wiring})
             services[name] = endpoint
             env[address_env_var(name)] = endpoint.grpc_address
         self._endpoints = Endpoints(
