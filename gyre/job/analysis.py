@@ -336,7 +336,7 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
     for r in by_type["GroupScoredEvent"]:
         ev = r["event"]
         row = steps[min(clock.step_at(event_time(r)), num_steps)]
-        row.reward_samples.append(_f(ev.get("reward_mean"), math.nan))
+        row.reward_samples.append(_f(ev.get("reward_mean", 0.0), math.nan))  # proto3 JSON omits 0
         row.num_groups += 1
         row.num_paths += int(_f(ev.get("num_paths")))
         row.num_exact_merged += int(_f(ev.get("num_exact_merged")))

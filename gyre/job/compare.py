@@ -155,13 +155,18 @@ def predict(run_dir: Path, summary: dict[str, Any]) -> tuple[dict[str, float] | 
     except ImportError as exc:
         return None, f"simulator not installed ({exc})"
     try:
-        workload = workload_for_run(run_dir, summary)
+        import yaml
+
+        raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        named = (raw.get("scheduler") or {}).get("sim_workload")
+        # a workload file named by the config wins; else one calibrated on the run itself
+        workload: Any = run_dir / "config.yaml" if named else workload_for_run(run_dir, summary)
         rollout_devices = None
         if policy == "async" and summary.get("duration_s"):
             rollout_devices = round(
                 float(summary.get("rollout_device_s") or 0.0) / float(summary["duration_s"])
             )
-        result = sim.predict(workload, policy, num_rollout_devices=rollout_devices or None)
+        result = sim.predict(workload, policy, num_rollout_devices=rollout_devices or None, measured=summary)
     except Exception as exc:  # a prediction failure must not hide the measured table
         return None, f"simulator failed: {exc!r}"
     out = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from gyre.job.analysis import analyse, bootstrap_mean, window_steps
-from gyre.job.eventlog import EVENT_LOG_NAME, read_events
+from gyre.job.eventlog import EVENT_LOG_NAME, EventLogWriter, read_events, to_record
 from gyre.job.report import build_report
+from gyre.v1 import events_pb2
 
 
 def test_step_events_are_summarised_without_token_arrays(
@@ -105,3 +106,15 @@ def test_an_empty_event_log_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / EVENT_LOG_NAME).write_text("")
     with pytest.raises(ValueError, match="no events"):
         build_report(tmp_path)
+
+
+def test_a_group_scored_zero_counts_as_a_zero_reward_sample(tmp_path: Path) -> None:
+    # proto3 JSON leaves out fields equal to 0: a 0.0 reward must still be a sample, not a missing one
+    with EventLogWriter(tmp_path / EVENT_LOG_NAME) as writer:
+        for i, reward in enumerate([0.0, 0.5]):
+            ev = events_pb2.GroupScoredEvent(
+                event_id=f"g{i}", run_id="r", reward_mean=reward, created_unix_s=1.0 + i
+            )
+            writer.write(to_record(ev, "gyre.paths.r.scored"))
+    a = analyse(read_events(tmp_path / EVENT_LOG_NAME))
+    assert a.steps[0].reward_samples == [0.0, 0.5]
