@@ -349,3 +349,41 @@ async def test_export_command_prints_every_call_as_json(nats_url, database_url, 
         assert [c["prompt_token_ids"] for c in out["calls"]] == [c.prompt.tolist() for c in ex.calls]
     finally:
         await run.stop()
+
+
+async def test_service_process_starts_migrates_serves_and_stops_cleanly(nats_url, database_url):
+    import os
+    import signal
+    import sys
+
+    env = {
+        **os.environ,
+        "GYRE_NATS_URL": nats_url,
+        "GYRE_DATABASE_URL": database_url,
+        "GYRE_RUN_ID": unique_run(),
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.trajectory",
+        "--port",
+        "0",
+        cwd=Path(__file__).parents[2],
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=60)).decode()
+        assert line.startswith("GYRE_READY trajectory "), line
+        port = int(line.split()[2])
+        async with rpc.channel(f"127.0.0.1:{port}") as channel:
+            stats = await trajectory_pb2_grpc.TrajectoryStub(channel).GetStats(
+                trajectory_pb2.GetStatsRequest()
+            )
+        assert stats.values["stored_calls"] == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), timeout=60)
+    assert code == 0
