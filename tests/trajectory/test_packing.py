@@ -140,6 +140,7 @@ def test_each_token_appears_once_and_loss_mask_marks_exactly_the_generated_token
     mask = np.array(chunk.loss_mask, bool)
     assert {p for p, m in zip(prefixes, mask, strict=True) if m} == generated
     assert np.all(np.array(chunk.policy_versions)[~mask] == -1)
+    assert not np.any(np.array(chunk.kl_weight)[~mask]) and np.all(np.array(chunk.kl_weight)[mask] > 0)
     assert batch.num_tokens < batch.num_flat_tokens
 
 
