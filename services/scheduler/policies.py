@@ -66,6 +66,10 @@ class PoolSnapshot:
     oldest_live_version: int = 0
     # Max allowed (train step - start version) of any trained execution.
     staleness_bound: int = 1
+    # Training work waiting or running, in device-seconds (0 = unknown: no cost check).
+    trainer_work_device_s: float = 0.0
+    # Seconds one device needs to change role (drain, offload, load, warm up).
+    role_change_s: float = 0.0
 
     def count(self, role: Role) -> int:
         """Devices serving (or moving to) `role`."""
@@ -177,23 +181,46 @@ class ElasticPolicy(Policy):
     - Tail: when live executions fit on fewer rollout devices (`engine_capacity` each), the
       emptiest rollout devices are lent to training; their in-flight generations are migrated to
       the remaining engines (never aborted).
-    - Starved or finished trainer (nothing running, nothing waiting): every device rolls out, which
-      spreads the KV load and speeds decoding.
-    - Demand rises (a new batch became admissible): devices come back from training, newest first.
+    - Lending is cost-aware: k devices move to training only if the training time they save
+      exceeds two role changes (there and back), from `trainer_work_device_s` and `role_change_s`.
+    - Demand rises (a new batch became admissible, or the trainer is starved and rollout needs
+      more slots): devices come back from training, newest first. With
+      `spread_when_trainer_idle`, an idle trainer hands every device back to rollout to spread the
+      KV load (off by default: in the simulator it costs more role changes than it saves).
     Moves smaller than `min_move` devices are skipped (hysteresis against flapping).
     """
 
     name = "elastic"
 
-    def __init__(self, staleness_bound: int = 1, min_move: int = 1, min_train_devices: int = 1) -> None:
+    def __init__(
+        self,
+        staleness_bound: int = 1,
+        min_move: int = 1,
+        min_train_devices: int = 1,
+        spread_when_trainer_idle: bool = False,
+    ) -> None:
         super().__init__(staleness_bound)
+        self.spread_when_trainer_idle = spread_when_trainer_idle
         self.min_move = max(1, min_move)
         self.min_train_devices = max(0, min_train_devices)
+
+    def _worth_lending(self, snapshot: PoolSnapshot, k: int) -> bool:
+        """Lend k devices only if the training time they save exceeds the round trip of role
+        changes (there and back) they cost; a trainer without devices always gets them."""
+        training = snapshot.count(Role.TRAIN)
+        if training == 0 or snapshot.trainer_work_device_s <= 0 or snapshot.role_change_s <= 0:
+            return True
+        work = snapshot.trainer_work_device_s
+        saved = work / training - work / (training + k)
+        return saved > 2 * snapshot.role_change_s
 
     def target_rollout(self, snapshot: PoolSnapshot) -> int:
         """How many devices should serve rollout now."""
         total = len(snapshot.devices)
         if not snapshot.trainer_wants_devices:
+            if not self.spread_when_trainer_idle:
+                need = math.ceil(snapshot.rollout_demand / max(1, snapshot.engine_capacity))
+                return max(need, snapshot.count(Role.ROLLOUT))
             return total
         need = math.ceil(snapshot.rollout_demand / max(1, snapshot.engine_capacity))
         # Live executions must always fit (never abort): that need wins over the trainer's floor.
@@ -212,15 +239,23 @@ class ElasticPolicy(Policy):
             why = f"elastic: {snapshot.rollout_demand} executions need {target} rollout devices"
             return [Reassignment(d.device_id, Role.ROLLOUT, why) for d in donors[: target - have]]
         if target < have and have - target >= self.min_move:
-            # Emptiest engines first: fewest generations to migrate.
-            donors = sorted(
+            # Emptiest engines first: fewest generations to migrate. Only settled rollout devices
+            # may give up work, and the settled ones that stay must host every live execution
+            # (devices still moving to rollout cannot take migrated generations yet).
+            settled = sorted(
                 (d for d in still if d.role == Role.ROLLOUT), key=lambda d: (d.live_executions, d.device_id)
             )
+            cap = max(1, snapshot.engine_capacity)
+            room = max(0, len(settled) - math.ceil(snapshot.live_executions / cap))
+            k = min(have - target, room)
+            if k < self.min_move or not self._worth_lending(snapshot, k):
+                return []
+            donors = settled[:k]
             why = (
                 f"elastic: tail, {snapshot.live_executions} live executions fit on {target} devices; "
                 "lending the rest to training"
             )
-            return [Reassignment(d.device_id, Role.TRAIN, why) for d in donors[: have - target]]
+            return [Reassignment(d.device_id, Role.TRAIN, why) for d in donors]
         idle = [d for d in still if d.role == Role.IDLE]
         if idle:
             role = Role.TRAIN if snapshot.trainer_wants_devices else Role.ROLLOUT

@@ -74,9 +74,23 @@ def test_elastic_never_plans_fewer_slots_than_live_executions() -> None:
         assert remaining * 4 >= live
 
 
-def test_elastic_gives_everything_to_rollout_when_trainer_is_starved() -> None:
-    moves = ElasticPolicy().plan(_snap([Role.ROLLOUT, Role.TRAIN, Role.TRAIN], live=1))
+def test_elastic_returns_devices_from_a_starved_trainer_only_when_rollout_needs_them() -> None:
+    roles = [Role.ROLLOUT, Role.TRAIN, Role.TRAIN]
+    assert ElasticPolicy().plan(_snap(roles, live=1, cap=4)) == []
+    moves = ElasticPolicy().plan(_snap(roles, live=4, queued=6, cap=4))
     assert sorted(m.device_id for m in moves) == ["d01", "d02"]
+    spread = ElasticPolicy(spread_when_trainer_idle=True).plan(_snap(roles, live=1, cap=4))
+    assert sorted(m.device_id for m in spread) == ["d01", "d02"]
+
+
+def test_elastic_does_not_lend_devices_when_role_changes_cost_more_than_they_save() -> None:
+    base = dict(live=1, cap=4, busy=True)
+    roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
+    snap = _snap(roles, **base)
+    cheap = PoolSnapshot(snap.devices, 1, 0, 4, 0, True, trainer_work_device_s=10.0, role_change_s=15.0)
+    worth = PoolSnapshot(snap.devices, 1, 0, 4, 0, True, trainer_work_device_s=1000.0, role_change_s=15.0)
+    assert ElasticPolicy().plan(cheap) == []
+    assert len(ElasticPolicy().plan(worth)) == 2
 
 
 def test_elastic_takes_devices_back_when_new_batch_is_admitted() -> None:

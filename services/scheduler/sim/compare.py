@@ -3,8 +3,8 @@
 Equal work: every policy trains exactly the same sampled executions, batch k at step k, each in
 full (no policy trains on unfinished executions, so none needs the partial-scoring option).
 Async and Elastic share the workload's staleness bound; Colocate is synchronous (0). The Async
-baseline is the best fixed split: every split from 1 to units-1 rollout units is simulated and the
-fastest wins (ties: fewer rollout units).
+baseline is the best fixed split found by `sweep_async` (every split on small pools, a grid refined
+to single units on large ones; ties: fewer rollout units).
 """
 
 from __future__ import annotations
@@ -41,17 +41,29 @@ def simulate(w: Workload, policy: Policy) -> SimResult:
     return Simulation(policy, cost, execs).run()
 
 
-def sweep_async(w: Workload) -> tuple[SimResult, int, dict[int, float]]:
-    """Every fixed split; returns the best run, its rollout-unit count and time/step per split."""
+def sweep_async(w: Workload, coarse_points: int = 12) -> tuple[SimResult, int, dict[int, float]]:
+    """Search the fixed split (rollout units 1..units-1): every split when there are at most
+    `coarse_points`, else an evenly spaced grid refined around the best point down to single units.
+    Returns the best run, its rollout-unit count and the time per step of every split tried."""
     times: dict[int, float] = {}
-    best: tuple[SimResult, int] | None = None
-    for n in range(1, w.num_units):
-        r = simulate(w, AsyncPolicy(n, staleness_bound=w.staleness_bound))
-        times[n] = r.time_per_step_s
-        if best is None or r.time_per_step_s < best[0].time_per_step_s:
-            best = (r, n)
-    assert best is not None
-    return best[0], best[1], times
+    runs: dict[int, SimResult] = {}
+
+    def run(n: int) -> None:
+        if n not in times and 1 <= n < w.num_units:
+            runs[n] = simulate(w, AsyncPolicy(n, staleness_bound=w.staleness_bound))
+            times[n] = runs[n].time_per_step_s
+
+    span = w.num_units - 1
+    stride = max(1, -(-span // coarse_points))
+    for n in range(1, w.num_units, stride):
+        run(n)
+    while stride > 1:
+        best = min(times, key=lambda n: (times[n], n))
+        stride = max(1, stride // 2)
+        run(best - stride)
+        run(best + stride)
+    best = min(times, key=lambda n: (times[n], n))
+    return runs[best], best, dict(sorted(times.items()))
 
 
 def _summary(r: SimResult) -> dict[str, Any]:

@@ -109,6 +109,9 @@ class Simulation:
                 ids.append(e.eid)
             self.batches.append(ids)
         self.remaining = [len(b) for b in self.batches]
+        self.batch_flops = [
+            sum(cost.train_flops(self.execs[i].plan.final_context) for i in b) for b in self.batches
+        ]
         self.next_batch = 0  # first batch not yet admitted
         self.queue: list[int] = []  # admitted, waiting for a slot (parked ones at the front)
         self.live = 0
@@ -409,7 +412,20 @@ class Simulation:
             latest_version=self.version,
             oldest_live_version=oldest,
             staleness_bound=self.bound,
+            trainer_work_device_s=self._trainer_work_unit_s(),
+            role_change_s=self.w.costs.elastic_role_change_s,
         )
+
+    def _trainer_work_unit_s(self) -> float:
+        """Training work running or waiting in order, in scheduling-unit-seconds."""
+        flops = 0.0
+        if self.train_step is not None:
+            rate = self.cost.train_flops_per_s(self._train_devices())
+            flops += max(0.0, self.train_left - rate * (self.now - self.train_last))
+        first = len(self.step_done) + (1 if self.train_step is not None else 0)
+        for k in range(first, first + self._trainable_backlog()):
+            flops += self.batch_flops[k]
+        return flops / self.cost.train_flops_per_s(self.w.devices_per_unit)
 
     def _trainable_backlog(self) -> int:
         """Complete batches the trainer could train in order (step k needs batch k)."""
