@@ -3,7 +3,7 @@
     restore (checkpoint + journal) -> ack what the checkpoint covers
     loop:  pull batch (replayed ids first) -> journal it -> forward/backward (DP shard, grads summed)
            -> optimizer step -> publish weight version -> every N steps: checkpoint, ack covered batches
-           -> at the step boundary: apply a pending data-parallel resize
+    at each step boundary: apply a pending data-parallel resize (services.trainer.elastic)
 
 Waits on: PullBatch (up to `pull_wait_s` when no scored groups are ready — back-pressure from the
 trajectory service), the weights event's JetStream ack. Guarantee: the model in the newest checkpoint
@@ -28,6 +28,7 @@ from services.trainer.batch import PackedBatch
 from services.trainer.checkpoint import CheckpointStore, Journal, TrainState
 from services.trainer.config import TrainerConfig
 from services.trainer.data import BatchSource
+from services.trainer.elastic import ElasticGroup, ReplicaSpec
 from services.trainer.loss import LossSettings, tree_loss
 
 WeightsSink = Callable[[common_pb2.WeightVersion, dict[str, float]], Awaitable[None]]
@@ -49,19 +50,48 @@ class SingleProcess:
         return metrics
 
 
+def build_replica(
+    cfg: TrainerConfig, device: str | torch.device = "cpu", seed: int = 0
+) -> tuple[Any, torch.optim.Optimizer, Any | None, LossSettings]:
+    """Model, optimizer, reference model (with KL) and loss settings of one replica."""
+    model = build_model(cfg.model, device=device, dtype=DTYPES[cfg.dtype], seed=seed)
+    if cfg.init_weights:
+        load_weights(model, cfg.init_weights)
+    ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return model, optimizer, ref_model, LossSettings(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
+
+
+def train_on_shard(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    shard: PackedBatch,
+    settings: LossSettings,
+    ref_model: Any | None,
+    grad_clip: float,
+    reduce_gradients: Callable[[Any], None],
+) -> dict[str, float]:
+    """One rank's part of a step: shard loss -> backward -> gradients summed over ranks -> clip -> step."""
+    model.train()
+    loss, metrics = tree_loss(model, shard, settings, ref_model)
+    optimizer.zero_grad(set_to_none=False)
+    loss.backward()
+    reduce_gradients(model)
+    if grad_clip:
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    optimizer.step()
+    return metrics
+
+
 class Trainer:
     def __init__(
         self, cfg: TrainerConfig, run_dir: Path, source: BatchSource, publish: WeightsSink, seed: int = 0
     ) -> None:
         self.cfg, self.run_dir, self.source, self.publish_sink = cfg, Path(run_dir), source, publish
-        self.model = build_model(cfg.model, dtype=DTYPES[cfg.dtype], seed=seed)
-        if cfg.init_weights:
-            load_weights(self.model, cfg.init_weights)
-        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.kl_coef else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.loss_settings = LossSettings(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
+        self.model, self.optimizer, self.ref_model, self.loss_settings = build_replica(cfg, seed=seed)
         self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
-        self.dp: Any = SingleProcess()
+        self.dp: SingleProcess | ElasticGroup = SingleProcess()
+        self.dp_target = 1
         self.stopping = False
         self.step_lock = asyncio.Lock()
         self.last_metrics: dict[str, float] = {}
@@ -81,6 +111,8 @@ class Trainer:
             if batch is None:
                 continue
             async with self.step_lock:  # lease releases and SaveCheckpoint wait for the step boundary
+                if self.dp_target != self.dp.size or (isinstance(self.dp, ElasticGroup) and self.dp.booting):
+                    await asyncio.to_thread(self.apply_dp_size, False)
                 metrics = await asyncio.to_thread(self.train_step, batch)
                 await self.publish_weights(metrics)
                 if self.state.step % self.cfg.checkpoint_every == 0:
@@ -97,19 +129,48 @@ class Trainer:
             self.store.write_journal(self.journal)
         return batch
 
+    def request_dp_size(self, size: int) -> None:
+        """Ask for `size` data-parallel ranks (one per TRAIN device held, at least 1); the loop
+        applies it at the next step boundary (growing: once the new workers are ready)."""
+        self.dp_target = max(1, int(size))
+
+    def apply_dp_size(self, wait: bool = False) -> bool:
+        """Resize the data-parallel group toward `dp_target` now; call only at a step boundary
+        (holding `step_lock`). True when the membership changed. See services.trainer.elastic."""
+        if isinstance(self.dp, SingleProcess):
+            if self.dp_target == 1:
+                return False
+            self.dp = ElasticGroup(self.model, self.optimizer, self.ref_model, self.replica_spec)
+        self.dp.request_size(self.dp_target)
+        return self.dp.apply(wait=wait)
+
+    def replica_spec(self, rank: int) -> ReplicaSpec:
+        device = next(self.model.parameters()).device
+        on_cuda = device.type == "cuda"
+        return ReplicaSpec(
+            self.cfg.model_dump_json(),
+            device=f"cuda:{rank}" if on_cuda else "cpu",  # untested: one local GPU per rank
+            backend="nccl" if on_cuda else "gloo",
+        )
+
+    def close(self) -> None:
+        """Stop the data-parallel workers (the trainer itself stays usable as one rank)."""
+        if isinstance(self.dp, ElasticGroup):
+            self.dp.close()
+        self.dp = SingleProcess()
+
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
         start = time.perf_counter()
         shard = self.dp.shard(batch).to(next(self.model.parameters()).device, DTYPES[self.cfg.dtype])
-        self.model.train()
-        loss, metrics = tree_loss(self.model, shard, self.loss_settings, self.ref_model)
-        self.optimizer.zero_grad(set_to_none=False)
-        loss.backward()
-        self.dp.reduce_gradients(self.model)
-        if self.cfg.grad_clip:
-            metrics["grad_norm"] = float(
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            )
-        self.optimizer.step()
+        metrics = train_on_shard(
+            self.model,
+            self.optimizer,
+            shard,
+            self.loss_settings,
+            self.ref_model,
+            self.cfg.grad_clip,
+            self.dp.reduce_gradients,
+        )
         self.state.step += 1
         self.state.trained_batch_ids.append(batch.batch_id)
         metrics = self.dp.reduce_metrics(metrics)

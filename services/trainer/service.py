@@ -1,11 +1,13 @@
 """The trainer service: the step loop, gRPC Trainer (GetStatus, SaveCheckpoint), weights events, leases.
 
 Leases: a GRANTED LeaseEvent whose target holder is this worker is acquired through the scheduler
-(`Acquire` with the event's epoch); a REASSIGN of a device this worker holds is released after the
-current step (`Release`). The device list is what GetStatus reports; the data-parallel group follows
-it at step boundaries (services.trainer.elastic where available). A stale epoch is refused by the
-scheduler and logged; the event stream may redeliver events, and Acquire/Release are idempotent
-on (device, epoch) at the scheduler.
+(`Acquire` with the event's epoch) and raises the data-parallel target to the number of devices
+held; the loop grows the group at the first step boundary after the new worker is ready. A
+REASSIGN of a held device waits for the step in flight, shrinks the group at once (the leaving
+worker has exited), and only then `Release`s the device. GetStatus reports the devices held and
+the group's size now (it lags the devices while a new worker boots). A stale epoch is refused by
+the scheduler and logged; the event stream may redeliver events, and Acquire/Release are
+idempotent on (device, epoch) at the scheduler.
 """
 
 from __future__ import annotations
@@ -107,8 +109,11 @@ class TrainerService(Service):
                     scheduler_pb2.AcquireRequest(worker_id=me, device_id=lease.device_id, epoch=lease.epoch)
                 )
                 self.devices[lease.device_id] = lease.epoch
+                self.trainer.request_dp_size(len(self.devices))  # grows at a step boundary
             elif ev.kind == events_pb2.LeaseEvent.KIND_REASSIGN and lease.device_id in self.devices:
                 async with self.trainer.step_lock:  # the step in flight finishes first
+                    self.trainer.request_dp_size(len(self.devices) - 1)
+                    await asyncio.to_thread(self.trainer.apply_dp_size)  # the leaving rank has exited
                     await self.scheduler.Release(
                         scheduler_pb2.ReleaseRequest(
                             worker_id=me, device_id=lease.device_id, epoch=lease.epoch
@@ -123,6 +128,7 @@ class TrainerService(Service):
         async with self.trainer.step_lock:
             await asyncio.to_thread(self.trainer.save_checkpoint)
             await self.trainer.ack_covered()
+            await asyncio.to_thread(self.trainer.close)  # data-parallel workers exit
         self.state = common_pb2.SERVICE_STATE_STOPPED
 
 

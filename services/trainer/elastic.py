@@ -1,0 +1,396 @@
+"""Elastic data parallelism: a data-parallel group that grows and shrinks at step boundaries.
+
+Rank 0 is the trainer process itself; ranks 1..n-1 are worker processes (multiprocessing
+'spawn', one per additional TRAIN device), each holding a full replica of the model, optimizer
+and (with KL) reference model. Membership changes only in `apply`, which the loop calls between
+steps, and every membership is a new *generation*: a fresh process group built directly from a
+`PrefixStore("gyre-dp/<generation>", TCPStore)` hosted by rank 0 — separate from Megatron's
+one-process default world, which never changes size. Backend: gloo for CPU replicas, NCCL for
+CUDA replicas (the NCCL path has not run on a GPU yet).
+
+Guarantees
+- After every resize, every replica holds rank 0's parameters, reference parameters and
+  optimizer state bit for bit (rank 0 broadcasts them to the whole new group).
+- Each step, rank 0 splits the batch into `size` shards of whole trees (`PackedBatch.split`),
+  keeps shard 0 and sends shard r to rank r over the worker's pipe; every rank backpropagates
+  its shard's loss (a sum over tokens), gradients are summed with one all-reduce, and every
+  rank clips and steps on the same summed gradient — the step is the single-process step on
+  the whole batch up to float summation order, and replicas stay identical (`replica_digests`).
+- Shrinking tells the highest ranks to leave and waits for their processes to exit, so a
+  device is free once `apply` returns. Growing starts workers without blocking; they join at
+  the first boundary after they are ready (or at once with `apply(wait=True)`).
+- A worker that dies or fails makes the next collective or pipe read raise (the gloo timeout
+  bounds a hang), which ends the trainer's step loop; the run resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import logging
+import multiprocessing
+import pickle
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from services.trainer.batch import PackedBatch
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting longer than this raises (a dead or stuck rank)
+STORE_HOST = "127.0.0.1"  # workers are local processes of this host
+
+
+# --- state sync and collectives (used by every rank) -------------------------------------------
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors in a fixed order (param group, parameter, sorted key)."""
+    out: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
+    return out
+
+
+def optimizer_skeleton(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer.state_dict()` with each tensor replaced by its (shape, dtype): what a newcomer
+    needs to allocate the state that the broadcast then fills."""
+    sd = optimizer.state_dict()
+    state = {
+        idx: {
+            k: ("tensor", tuple(v.shape), str(v.dtype).removeprefix("torch.")) if torch.is_tensor(v) else v
+            for k, v in entry.items()
+        }
+        for idx, entry in sd["state"].items()
+    }
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def load_skeleton(optimizer: torch.optim.Optimizer, skeleton: dict[str, Any]) -> None:
+    """Allocate state shaped like rank 0's (values arrive by broadcast)."""
+    state = {
+        idx: {
+            k: torch.empty(v[1], dtype=getattr(torch, v[2]))
+            if isinstance(v, tuple) and v[:1] == ("tensor",)
+            else v
+            for k, v in entry.items()
+        }
+        for idx, entry in skeleton["state"].items()
+    }
+    optimizer.load_state_dict({"state": state, "param_groups": skeleton["param_groups"]})
+
+
+def _flat_by_dtype(tensors: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for members in groups.values():
+        yield torch.cat([t.detach().reshape(-1) for t in members]), members
+
+
+def _unflatten_into(flat: torch.Tensor, members: list[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in members:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def broadcast_from_rank0(pg: Any, tensors: list[torch.Tensor]) -> None:
+    """Overwrite `tensors` on every rank with rank 0's values (one broadcast per dtype)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    for flat, members in _flat_by_dtype(tensors):
+        pg.broadcast([flat], opts).wait()
+        _unflatten_into(flat, members)
+
+
+def sync_replica(pg: Any, model: Any, optimizer: torch.optim.Optimizer, ref_model: Any | None) -> None:
+    """Make this replica equal rank 0's: parameters, reference parameters, optimizer state."""
+    tensors = list(model.parameters()) + optimizer_tensors(optimizer)
+    if ref_model is not None:
+        tensors += list(ref_model.parameters())
+    broadcast_from_rank0(pg, tensors)
+
+
+def allreduce_gradients(pg: Any, model: Any) -> None:
+    """Sum every parameter's gradient over the group (a missing gradient counts as zeros)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for flat, members in _flat_by_dtype([p.grad for p in params]):
+        pg.allreduce([flat]).wait()
+        _unflatten_into(flat, members)
+
+
+def replica_digest(model: Any, optimizer: torch.optim.Optimizer) -> str:
+    """sha256 over the parameters and optimizer state (bitwise identity of replicas)."""
+    h = hashlib.sha256()
+    for t in list(model.parameters()) + optimizer_tensors(optimizer):
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def make_process_group(store: Any, generation: int, rank: int, size: int, backend: str) -> Any:
+    """A process group of generation `generation` (blocks until all `size` ranks have joined)."""
+    prefixed = dist.PrefixStore(f"gyre-dp/{generation}", store)
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    if backend == "nccl":  # untested: no GPU has run this path yet
+        nccl_options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
+        nccl_options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, size, nccl_options)  # type: ignore[attr-defined]
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=STORE_HOST)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(prefixed, rank, size, options)
+
+
+def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Batch metrics from shard metrics: sums add up, ratio-like means are token-weighted,
+    everything else (grad_norm: equal on every rank) is rank 0's."""
+    out = dict(parts[0])
+    for key in ("loss", "num_tokens", "num_trained_tokens"):
+        out[key] = sum(p.get(key, 0.0) for p in parts)
+    total = out["num_trained_tokens"]
+    for key in ("ratio_mean", "clip_fraction", "kl_mean"):
+        have = [p for p in parts if key in p]
+        if have and total:
+            out[key] = sum(p[key] * p["num_trained_tokens"] for p in have) / total
+    return out
+
+
+# --- the group, seen from rank 0 ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What a worker needs to build its replica: the trainer config (JSON) and the torch device."""
+
+    trainer_config_json: str
+    device: str
+    backend: str
+
+
+@dataclass
+class _Worker:
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    ready: bool = False
+
+    def poll_ready(self, timeout: float | None = 0.0) -> bool:
+        if not self.ready and self.conn.poll(timeout):
+            _expect(self, "ready")
+            self.ready = True
+        return self.ready
+
+
+def _expect(worker: _Worker, kind: str) -> Any:
+    try:
+        msg = worker.conn.recv()
+    except EOFError as exc:
+        raise RuntimeError(f"data-parallel worker pid {worker.process.pid} died") from exc
+    if msg[0] == "error":
+        raise RuntimeError(f"data-parallel worker pid {worker.process.pid} failed:\n{msg[1]}")
+    if msg[0] != kind:
+        raise RuntimeError(f"data-parallel worker sent {msg[0]!r}, expected {kind!r}")
+    return msg[1] if len(msg) > 1 else None
+
+
+class ElasticGroup:
+    """The data-parallel group as rank 0 sees it; the `Trainer.dp` interface plus resizing.
+
+    Not thread-safe: the trainer calls it only at step boundaries and inside a step (one thread).
+    """
+
+    rank = 0
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: torch.optim.Optimizer,
+        ref_model: Any | None,
+        spec_of: Callable[[int], Any],
+    ) -> None:
+        """`spec_of(rank)` -> the ReplicaSpec of a worker at that rank."""
+        self.model, self.optimizer, self.ref_model, self.spec_of = model, optimizer, ref_model, spec_of
+        self.store = dist.TCPStore(
+            STORE_HOST,
+            0,
+            None,
+            True,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            wait_for_workers=False,
+        )
+        self.ctx = multiprocessing.get_context("spawn")
+        self.members: list[_Worker] = []  # joined workers; rank = index + 1
+        self.booting: list[_Worker] = []  # started, joining at a later boundary
+        self.target = 1
+        self.generation = 0
+        self.pg: Any = None
+        self.backend = "nccl" if next(model.parameters()).is_cuda else "gloo"
+
+    @property
+    def size(self) -> int:
+        return 1 + len(self.members)
+
+    def request_size(self, size: int) -> None:
+        """Ask for `size` ranks (>= 1); takes effect at the next `apply`."""
+        self.target = max(1, int(size))
+
+    def apply(self, wait: bool = False) -> bool:
+        """At a step boundary: move toward the target size; True when the membership changed.
+
+        Shrinking happens at once (leavers have exited on return). Growing joins workers that
+        are ready; with `wait`, it first waits until every missing worker is ready.
+        """
+        changed = False
+        while self.size > self.target:
+            self._retire(self.members.pop())
+            changed = True
+        while self.size + len(self.booting) > self.target and self.booting:
+            self._retire(self.booting.pop())
+        while self.size + len(self.booting) < self.target:
+            self.booting.append(self._start(self.size + len(self.booting)))
+        joining = [w for w in self.booting if w.poll_ready(None if wait else 0.0)]
+        if joining:
+            self.booting = [w for w in self.booting if w not in joining]
+            self.members.extend(joining)
+            changed = True
+        if changed:
+            self._new_generation()
+        return changed
+
+    def _start(self, rank: int) -> _Worker:
+        parent, child = self.ctx.Pipe()
+        spec = self.spec_of(rank)
+        proc = self.ctx.Process(
+            target=worker_main, args=(child, STORE_HOST, self.store.port, spec), daemon=True
+        )
+        proc.start()
+        child.close()
+        log.info("data-parallel worker for rank %d starting (pid %s)", rank, proc.pid)
+        return _Worker(proc, parent)
+
+    def _retire(self, worker: _Worker) -> None:
+        try:
+            worker.conn.send(("leave",))
+        except (BrokenPipeError, OSError):
+            pass
+        worker.process.join(30)
+        if worker.process.is_alive():
+            worker.process.terminate()
+            worker.process.join()
+        worker.conn.close()
+
+    def _new_generation(self) -> None:
+        self.generation += 1
+        self.pg = None
+        if self.size == 1:
+            log.info("data-parallel group generation %d: size 1", self.generation)
+            return
+        skeleton = optimizer_skeleton(self.optimizer)
+        for rank, w in enumerate(self.members, start=1):
+            w.conn.send(("join", self.generation, rank, self.size, skeleton))
+        self.pg = make_process_group(self.store, self.generation, 0, self.size, self.backend)
+        sync_replica(self.pg, self.model, self.optimizer, self.ref_model)
+        for w in self.members:
+            _expect(w, "joined")
+        log.info("data-parallel group generation %d: size %d", self.generation, self.size)
+
+    # -- Trainer.dp interface --
+
+    def shard(self, batch: PackedBatch) -> PackedBatch:
+        """Rank 0's shard; the other shards go to their ranks, which start their step at once."""
+        if self.size == 1:
+            return batch
+        shards = batch.split(self.size)
+        for w, s in zip(self.members, shards[1:], strict=True):
+            w.conn.send(("step", pickle.dumps(s)))
+        return shards[0]
+
+    def reduce_gradients(self, model: Any) -> None:
+        if self.pg is not None:
+            allreduce_gradients(self.pg, model)
+
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The batch's metrics (waits for every rank to have finished its step)."""
+        return combine_metrics([metrics] + [_expect(w, "metrics") for w in self.members])
+
+    def replica_digests(self) -> list[str]:
+        """Digest of parameters + optimizer state of every rank, in rank order."""
+        for w in self.members:
+            w.conn.send(("digest",))
+        return [replica_digest(self.model, self.optimizer)] + [_expect(w, "digest") for w in self.members]
+
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid or 0 for w in self.members]
+
+    def close(self) -> None:
+        for w in self.members + self.booting:
+            self._retire(w)
+        self.members, self.booting, self.pg = [], [], None
+
+
+# --- a worker process (ranks >= 1) -------------------------------------------------------------
+
+
+def worker_main(conn: Connection, store_host: str, store_port: int, spec: ReplicaSpec) -> None:
+    """Build a replica, then serve rank 0's commands until told to leave or the pipe closes."""
+    try:
+        from services.trainer.config import TrainerConfig
+        from services.trainer.loop import build_replica, train_on_shard
+
+        cfg = TrainerConfig.model_validate_json(spec.trainer_config_json)
+        if spec.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(spec.device))
+        model, optimizer, ref_model, settings = build_replica(cfg, spec.device)
+        store = dist.TCPStore(
+            store_host, store_port, None, False, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        )
+        conn.send(("ready",))
+        pg: Any = None
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                return  # rank 0 is gone
+            if msg[0] == "join":
+                _, generation, rank, size, skeleton = msg
+                load_skeleton(optimizer, skeleton)
+                pg = make_process_group(store, generation, rank, size, spec.backend)
+                sync_replica(pg, model, optimizer, ref_model)
+                conn.send(("joined",))
+            elif msg[0] == "step":
+                shard: PackedBatch = pickle.loads(msg[1])
+                param = next(model.parameters())
+                metrics = train_on_shard(
+                    model,
+                    optimizer,
+                    shard.to(param.device, param.dtype),
+                    settings,
+                    ref_model,
+                    cfg.grad_clip,
+                    functools.partial(allreduce_gradients, pg),
+                )
+                conn.send(("metrics", metrics))
+            elif msg[0] == "digest":
+                conn.send(("digest", replica_digest(model, optimizer)))
+            elif msg[0] == "leave":
+                return
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        raise
