@@ -191,7 +191,7 @@ class HandoffMachine(RuleBasedStateMachine):
 def test_handoff_invariants_hold_over_random_interleavings_in_memory() -> None:
     run_state_machine_as_test(
         HandoffMachine,
-        settings=settings(max_examples=150, stateful_step_count=40, deadline=None),
+        settings=settings(max_examples=100, stateful_step_count=30, deadline=None),
     )
 
 
