@@ -32,7 +32,7 @@ RUN if [ "$GYRE_EXTRAS" = "gpu" ]; then \
     else \
         pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"; \
     fi \
-    && python -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); print('\n'.join(r for r in d['project']['dependencies'] if not r.replace(' ', '').startswith('torch=')))" > /tmp/requirements.txt \
+    && python -c "import re, tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); print('\n'.join(r for r in d['project']['dependencies'] if re.split(r'[<>=!~ ;\\[]', r, maxsplit=1)[0] != 'torch'))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
 COPY gyre ./gyre
