@@ -4,9 +4,12 @@ Time axis: a *trainer step* s is the span from the publication of weight version
 version s+1 (step 0 starts at the first event of the run). Every event is placed in the step
 during which it happened (its `created_unix_s`, else the time it was received).
 
-Reward: one sample per scored group (`GroupScoredEvent.reward_mean`, which includes partial
-progress of unfinished executions); when a run has no scored groups, one sample per ended
-execution (its final reward, else milestones reached / milestones total).
+Reward (including partial progress), as the environment reports it: every ended execution scores
+its final reward when FINISHED, else its progress (milestones reached / milestones total, or the
+fraction of tests passing). One sample per group and step: the mean score of the group's
+executions that ended in that step (executions of a group share a task, so they are not
+independent samples). Without execution events, the scored groups' `GroupScoredEvent.reward_mean`
+is used instead; it is always plotted too, as the signal the trainer trained on.
 
 Learning verdict (the rule): with N trainer steps (steps 0..N-1 end with the publication of
 versions 1..N), the first (last) 20% of steps are the first (last) k = max(1, round(0.2 * N)) of
@@ -70,8 +73,13 @@ class StepRow:
     step: int
     start_s: float  # seconds since run start
     end_s: float
+    # reward incl. partial progress: one sample per group = mean score of its executions that ended
+    # in this step (the environment's own numbers); without execution events, the scored groups'
     reward_samples: list[float] = field(default_factory=list)
     progress_samples: list[float] = field(default_factory=list)
+    scored_samples: list[float] = field(
+        default_factory=list
+    )  # GroupScoredEvent.reward_mean (trainer's signal)
     num_groups: int = 0
     num_paths: int = 0
     num_exact_merged: int = 0
@@ -336,17 +344,17 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
     for r in by_type["GroupScoredEvent"]:
         ev = r["event"]
         row = steps[min(clock.step_at(event_time(r)), num_steps)]
-        row.reward_samples.append(_f(ev.get("reward_mean", 0.0), math.nan))  # proto3 JSON omits 0
+        row.scored_samples.append(_f(ev.get("reward_mean", 0.0), math.nan))  # proto3 JSON omits 0
         row.num_groups += 1
         row.num_paths += int(_f(ev.get("num_paths")))
         row.num_exact_merged += int(_f(ev.get("num_exact_merged")))
         row.num_near_duplicates += int(_f(ev.get("num_near_duplicates")))
     for row in steps:
-        row.reward_samples = [x for x in row.reward_samples if not math.isnan(x)]
+        row.scored_samples = [x for x in row.scored_samples if not math.isnan(x)]
 
     execution_counts: Counter[str] = Counter()
     ended_at: dict[str, float] = {}
-    have_groups = bool(by_type["GroupScoredEvent"])
+    group_scores: dict[tuple[int, str], list[float]] = defaultdict(list)
     for r in by_type["ExecutionEvent"]:
         ev = r["event"]
         kind = str(ev.get("kind", "KIND_UNSPECIFIED"))
@@ -357,8 +365,13 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
             row = steps[min(clock.step_at(t), num_steps)]
             frac = progress_fraction(ev.get("progress"))
             row.progress_samples.append(frac if frac is not None else execution_score(ev))
-            if not have_groups:
-                row.reward_samples.append(execution_score(ev))
+            group = str(ev.get("group_id") or ev.get("execution_id", ""))
+            group_scores[(row.step, group)].append(execution_score(ev))
+    for (step, _group), scores in sorted(group_scores.items()):
+        steps[step].reward_samples.append(statistics.fmean(scores))
+    if not group_scores:
+        for row in steps:
+            row.reward_samples = list(row.scored_samples)
 
     batch_times: list[float] = []
     batch_versions: list[int] = []

@@ -47,8 +47,12 @@ def plot_reward(a: RunAnalysis, path: Path) -> Path:
         ms=4,
         lw=1.2,
         capsize=2,
-        label="reward (per group, 95% CI)",
+        label="reward incl. progress (per group, 95% CI)",
     )
+    sx = [r.step for r in a.steps if r.scored_samples]
+    if sx:
+        sy = [sum(r.scored_samples) / len(r.scored_samples) for r in a.steps if r.scored_samples]
+        ax.plot(sx, sy, "^:", color="#DD8452", ms=4, lw=1, label="scored groups (trainer's signal)")
     px = [r.step for r in a.steps if r.progress_samples]
     py = [r.progress_mean for r in a.steps if r.progress_samples]
     if px:

@@ -166,18 +166,22 @@ def render_markdown(a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path) 
         *headline(a),
         "```",
         "",
-        f"Rule: {LEARNED_RULE}. Samples are scored groups (mean reward of a group, including partial "
-        "progress of unfinished executions) placed in the trainer step during which they were scored; "
-        "intervals are 95% percentile-bootstrap intervals (5000 resamples, fixed seed).",
+        f"Rule: {LEARNED_RULE}. One sample per group and trainer step: the mean score of the group's "
+        "executions that ended in that step (final reward if finished, else partial progress = milestones "
+        "reached / total), as the environment reported them; intervals are 95% percentile-bootstrap "
+        "intervals (5000 resamples, fixed seed). The scored groups' reward (the trainer's signal) is "
+        "plotted too.",
         "",
         f"![reward]({rel['reward']})",
         "",
-        "| step | groups | reward | progress | tree ratio | exact dups | near dups | batches |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step | groups scored | reward | scored reward | progress | tree ratio | exact dups | near dups | batches |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in a.steps:
         lines.append(
-            f"| {r.step} | {r.num_groups} | {_fmt(r.reward_mean, 3)} | {_fmt(r.progress_mean, 3)} | "
+            f"| {r.step} | {r.num_groups} | {_fmt(r.reward_mean, 3)} | "
+            f"{_fmt(sum(r.scored_samples) / len(r.scored_samples) if r.scored_samples else math.nan, 3)} | "
+            f"{_fmt(r.progress_mean, 3)} | "
             f"{_fmt(r.tree_token_ratio)} | {r.num_exact_merged} | {r.num_near_duplicates} | {r.num_batches} |"
         )
     total_dev = sum(a.device_time_s.values()) or 1.0

@@ -53,6 +53,7 @@ def write_synthetic_run(run_dir: Path, *, num_steps: int, reward_slope: float, s
             lease(base + 9.5, "cpu0-2", ROLLOUT, ACTIVE, events_pb2.LeaseEvent.KIND_ACQUIRED, epoch)
         for g in range(4):
             task, group = f"t{step:03d}{g}", f"t{step:03d}{g}-g0"
+            reward = min(1.0, max(0.0, 0.2 + reward_slope * step + rng.gauss(0, 0.05)))
             for e in range(4):
                 execution = f"{group}-e{e}"
                 for call in range(3):
@@ -80,12 +81,12 @@ def write_synthetic_run(run_dir: Path, *, num_steps: int, reward_slope: float, s
                     execution_id=execution,
                     kind=events_pb2.ExecutionEvent.KIND_TRUNCATED,
                     progress=common_pb2.ProgressSignal(
-                        milestones_reached=min(5, step // 2), milestones_total=5
+                        milestones_reached=min(20, max(0, round(20 * reward + rng.gauss(0, 1)))),
+                        milestones_total=20,
                     ),
                     created_unix_s=base + 4.5,
                 )
                 writer.write(to_record(done, f"gyre.executions.{run}.{task}"))
-            reward = min(1.0, max(0.0, 0.2 + reward_slope * step + rng.gauss(0, 0.05)))
             scored = events_pb2.GroupScoredEvent(
                 event_id=f"scored.{group}",
                 run_id=run,
