@@ -318,10 +318,23 @@ def create_app(endpoint: OpenAIEndpoint) -> FastAPI:
 async def serve(app: FastAPI, host: str, port: int) -> tuple[Any, int]:
     """Start uvicorn in this event loop; returns (server, bound port). Stop with `server.should_exit = True`."""
     import asyncio
+    import contextlib
+    from collections.abc import Iterator
 
     import uvicorn
 
-    server = uvicorn.Server(
+    class _Server(uvicorn.Server):
+        """uvicorn without its own signal handling: the service lifecycle owns SIGTERM/SIGINT.
+
+        uvicorn's default swaps the process's handlers and re-raises the signal on exit, which the
+        lifecycle then reads as a second signal and skips its drain grace periods.
+        """
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    server = _Server(
         uvicorn.Config(
             app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
         )
