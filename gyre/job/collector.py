@@ -88,6 +88,15 @@ class EventCollector:
             for task in done:
                 task.result()  # re-raise why a subscription failed
 
+    async def sweep(self) -> None:
+        """Read every stream of the run from its start and record what the live tail has not yet."""
+        for flt in run_filters(self.run_id):
+            try:
+                for rec in await tap.read_all(self.bus, flt):
+                    self._record(rec)
+            except Exception as exc:  # the log keeps what the live tail saw
+                log.warning("sweep of %s failed: %r", flt, exc)
+
     async def stop(self) -> int:
         """Stop tailing, sweep every stream once more for missed events, close the log; return #records."""
         for task in self._tasks:

@@ -34,6 +34,12 @@ class JobConfig(ConfigModel):
     poll_interval_s: float = Field(
         0.5, gt=0, description="Seconds between the job's looks at the rollout service's live executions."
     )
+    ingest_wait_s: float = Field(
+        120.0,
+        ge=0,
+        description="After the last step the rollout service is stopped first; then the job waits up to this "
+        "long (s) for the trajectory service to store every step published, before reading final counters.",
+    )
     drain_s: float = Field(
         3.0,
         ge=0,

@@ -26,8 +26,9 @@ Record = dict[str, Any]
 class RunTracker:
     """Running totals of a run's events; `steps_done` fires when `target_steps` versions exist."""
 
-    def __init__(self, target_steps: int) -> None:
+    def __init__(self, target_steps: int, run_id: str = "") -> None:
         self.target_steps = target_steps
+        self.run_id = run_id
         self.version = 0
         self.version_times: dict[int, float] = {}
         self.last_metrics: dict[str, float] = {}

@@ -185,6 +185,44 @@ async def collect_final_stats(endpoints: Any, run_id: str) -> dict[str, Any]:
     return out
 
 
+async def _stored_calls(address: str, run_id: str) -> int:
+    from gyre import rpc
+    from gyre.v1 import trajectory_pb2, trajectory_pb2_grpc
+
+    async with rpc.channel(address) as channel:
+        reply = await trajectory_pb2_grpc.TrajectoryStub(channel).GetStats(
+            trajectory_pb2.GetStatsRequest(run_id=run_id), timeout=10
+        )
+    return int(reply.values.get("stored_calls", 0))
+
+
+async def stop_producers_and_wait_for_ingest(
+    deployment: Any, collector: Any, tracker: Any, job: JobConfig
+) -> None:
+    """Stop the rollout service (no new steps), then wait until the trajectory service has stored
+    every step event published, so the final counters describe a settled run.
+
+    Waits at most `job.ingest_wait_s`; a trajectory service still behind then is reported as is.
+    """
+    for proc in deployment.processes:
+        if proc.name == "rollout":
+            await asyncio.to_thread(proc.stop, deployment.launcher.stop_grace_s)
+    await asyncio.sleep(job.drain_s)
+    await collector.sweep()
+    trajectory = deployment.endpoints.services.get("trajectory")
+    if trajectory is None:
+        return
+    deadline = time.monotonic() + job.ingest_wait_s
+    while time.monotonic() < deadline:
+        try:
+            stored = await _stored_calls(trajectory.grpc_address, tracker.run_id)
+        except Exception:
+            return  # the final counters will say what is wrong
+        if stored >= tracker.num_steps_seen:
+            return
+        await asyncio.sleep(1.0)
+
+
 async def drive(deployment: Any, common: Any, job: JobConfig, run_dir: Path, *, started: float) -> JobOutcome:
     """Record events, keep executions live and wait for the last step (see the module docstring)."""
     from gyre.bus import Bus
@@ -193,7 +231,7 @@ async def drive(deployment: Any, common: Any, job: JobConfig, run_dir: Path, *, 
 
     endpoints = deployment.endpoints
     bus = await Bus.connect(endpoints.nats_url, name="job")
-    tracker = RunTracker(job.num_steps)
+    tracker = RunTracker(job.num_steps, common.run_id)
     collector = EventCollector(bus, common.run_id, run_dir)
     collector.on_event(tracker.update)
     tasks: list[asyncio.Task[Any]] = []
@@ -231,7 +269,10 @@ async def drive(deployment: Any, common: Any, job: JobConfig, run_dir: Path, *, 
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-            await asyncio.sleep(job.drain_s)
+            if outcome.reached_steps:
+                await stop_producers_and_wait_for_ingest(deployment, collector, tracker, job)
+            else:
+                await asyncio.sleep(job.drain_s)
             outcome.final_stats = await collect_final_stats(endpoints, common.run_id)
     finally:
         for task in tasks:

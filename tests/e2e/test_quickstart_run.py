@@ -41,8 +41,8 @@ def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess
     proc = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "gyre.cli",
+            "-c",
+            "import sys; from gyre.cli import main; sys.exit(main())",
             "run",
             "examples/quickstart.yaml",
             "--steps",
