@@ -175,19 +175,24 @@ class AsyncPolicy(Policy):
 
 
 class ElasticPolicy(Policy):
-    """Gyre's policy: rollout gets exactly the devices its live + admissible executions need; the
-    rest train while the trainer has work; all return to rollout when the trainer has none.
+    """Gyre's policy: a home split like Async's, left only when moving pays for itself.
 
-    - Tail: when live executions fit on fewer rollout devices (`engine_capacity` each), the
-      emptiest rollout devices are lent to training; their in-flight generations are migrated to
-      the remaining engines (never aborted).
+    - Home split (`base_rollout_devices`, B): while executions wait for a slot, rollout holds at
+      least B devices, sized the way an operator sizes Async (the simulator passes the best static
+      split of its sweep, `services.scheduler.sim.compare.plan_split`). Without B the home is what
+      the waiting executions need in KV slots (`engine_capacity` each).
+    - Tail: when nothing waits and the live executions fit on fewer rollout devices, the emptiest
+      ones are lent to training; their in-flight generations are migrated (never aborted). With
+      `consolidate=False` (bandwidth-bound rollout, where packing executions onto fewer engines
+      slows their decode) only a rollout with no live execution left is lent.
     - Lending is cost-aware: k devices move to training only if the training time they save
       exceeds two role changes (there and back), from `trainer_work_device_s` and `role_change_s`.
-    - Demand rises (a new batch became admissible, or the trainer is starved and rollout needs
-      more slots): devices come back from training, newest first. With
-      `spread_when_trainer_idle`, an idle trainer hands every device back to rollout to spread the
-      KV load (off by default: in the simulator it costs more role changes than it saves).
-    Moves smaller than `min_move` devices are skipped (hysteresis against flapping).
+      On short steps this refuses every move, and Elastic behaves exactly like Async at B.
+    - Return: when executions wait again, lent devices come back up to B (newest first); beyond B
+      only from an idle trainer, up to what the waiting executions need in KV slots.
+    - Hysteresis: nothing moves while nothing waits and the trainer has no work; moves smaller
+      than `min_move` devices are skipped. With `spread_when_trainer_idle`, an idle trainer hands
+      every device to rollout to spread the KV load (off by default: costs more than it saves).
     """
 
     name = "elastic"
@@ -198,11 +203,17 @@ class ElasticPolicy(Policy):
         min_move: int = 1,
         min_train_devices: int = 1,
         spread_when_trainer_idle: bool = False,
+        base_rollout_devices: int | None = None,
+        consolidate: bool = True,
     ) -> None:
         super().__init__(staleness_bound)
+        if base_rollout_devices is not None and base_rollout_devices < 1:
+            raise ValueError(f"base_rollout_devices must be >= 1, got {base_rollout_devices}")
         self.spread_when_trainer_idle = spread_when_trainer_idle
         self.min_move = max(1, min_move)
         self.min_train_devices = max(0, min_train_devices)
+        self.base_rollout_devices = base_rollout_devices
+        self.consolidate = consolidate
 
     def _worth_lending(self, snapshot: PoolSnapshot, k: int) -> bool:
         """Lend k devices only if the training time they save exceeds the round trip of role
@@ -217,15 +228,27 @@ class ElasticPolicy(Policy):
     def target_rollout(self, snapshot: PoolSnapshot) -> int:
         """How many devices should serve rollout now."""
         total = len(snapshot.devices)
+        cap = max(1, snapshot.engine_capacity)
+        need = math.ceil(snapshot.rollout_demand / cap)
+        # Live executions must always fit (never abort): that wins over every other bound.
+        must = math.ceil(snapshot.live_executions / cap)
+        have = snapshot.count(Role.ROLLOUT)
+        ceiling = total - self.min_train_devices
+        if self.base_rollout_devices is None:
+            if not snapshot.trainer_wants_devices:
+                return total if self.spread_when_trainer_idle else max(need, have)
+            return max(must, min(need, ceiling))
+        base = min(self.base_rollout_devices, ceiling)
         if not snapshot.trainer_wants_devices:
-            if not self.spread_when_trainer_idle:
-                need = math.ceil(snapshot.rollout_demand / max(1, snapshot.engine_capacity))
-                return max(need, snapshot.count(Role.ROLLOUT))
-            return total
-        need = math.ceil(snapshot.rollout_demand / max(1, snapshot.engine_capacity))
-        # Live executions must always fit (never abort): that need wins over the trainer's floor.
-        must = math.ceil(snapshot.live_executions / max(1, snapshot.engine_capacity))
-        return max(must, min(need, total - self.min_train_devices))
+            # The trainer has nothing to do: lent devices come home; waiting work may take more.
+            if self.spread_when_trainer_idle:
+                return total
+            grow = min(need, ceiling) if snapshot.queued_generations > 0 else 0
+            return max(must, base, have, grow)
+        if snapshot.queued_generations > 0:
+            # Work waits while the trainer works: the home split, no more than what is held.
+            return max(must, min(max(have, base), max(base, need)))
+        return must  # tail: lend what the live executions do not need (plan checks the cost)
 
     def plan(self, snapshot: PoolSnapshot) -> list[Reassignment]:
         target = self.target_rollout(snapshot)
@@ -245,6 +268,8 @@ class ElasticPolicy(Policy):
             settled = sorted(
                 (d for d in still if d.role == Role.ROLLOUT), key=lambda d: (d.live_executions, d.device_id)
             )
+            if not self.consolidate and snapshot.live_executions > 0:
+                return []
             cap = max(1, snapshot.engine_capacity)
             room = max(0, len(settled) - math.ceil(snapshot.live_executions / cap))
             k = min(have - target, room)
@@ -258,20 +283,35 @@ class ElasticPolicy(Policy):
             return [Reassignment(d.device_id, Role.TRAIN, why) for d in donors]
         idle = [d for d in still if d.role == Role.IDLE]
         if idle:
-            role = Role.TRAIN if snapshot.trainer_wants_devices else Role.ROLLOUT
+            home = self.base_rollout_devices is not None  # beyond the home split, idle devices train
+            role = Role.TRAIN if snapshot.trainer_wants_devices or home else Role.ROLLOUT
             return [Reassignment(d.device_id, role, "elastic: idle device put to work") for d in idle]
         return []
+
+    def describe(self) -> str:
+        if self.base_rollout_devices is None:
+            return self.name
+        return f"elastic(base rollout={self.base_rollout_devices})"
 
 
 POLICY_NAMES = ("colocate", "async", "elastic")
 
 
-def make_policy(name: str, *, staleness_bound: int = 1, num_rollout_devices: int | None = None) -> Policy:
-    """Build a policy by name. `async` needs `num_rollout_devices` (its fixed split)."""
+def make_policy(
+    name: str,
+    *,
+    staleness_bound: int = 1,
+    num_rollout_devices: int | None = None,
+    elastic_base_rollout_devices: int | None = None,
+) -> Policy:
+    """Build a policy by name. `async` needs `num_rollout_devices` (its fixed split); `elastic`
+    takes an optional home split `elastic_base_rollout_devices` (None: sized by KV need)."""
     if name == "colocate":
         return ColocatePolicy()
     if name == "elastic":
-        return ElasticPolicy(staleness_bound=staleness_bound)
+        return ElasticPolicy(
+            staleness_bound=staleness_bound, base_rollout_devices=elastic_base_rollout_devices
+        )
     if name == "async":
         if num_rollout_devices is None:
             raise ValueError("policy 'async' needs num_rollout_devices (its fixed rollout split)")

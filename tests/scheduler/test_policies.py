@@ -107,3 +107,34 @@ def test_elastic_leaves_moving_devices_alone() -> None:
 def test_admission_bounds_staleness() -> None:
     assert may_start_batch(0, 0, 0) and not may_start_batch(1, 0, 0)
     assert may_start_batch(2, 1, 1) and not may_start_batch(3, 1, 1)
+
+
+def test_elastic_with_a_home_split_holds_it_while_work_waits() -> None:
+    # KV need alone (2 devices for 8 executions) would starve a bandwidth-bound rollout; the home split wins.
+    roles = [Role.ROLLOUT] + [Role.TRAIN] * 5
+    moves = ElasticPolicy(base_rollout_devices=3).plan(_snap(roles, live=0, queued=8, cap=4, busy=True))
+    assert len(moves) == 2 and all(m.to_role == Role.ROLLOUT for m in moves)
+
+
+def test_elastic_with_a_home_split_stays_put_when_nothing_waits_and_nothing_trains() -> None:
+    roles = [Role.ROLLOUT] * 3 + [Role.TRAIN] * 3
+    assert ElasticPolicy(base_rollout_devices=3).plan(_snap(roles, live=1, cap=4)) == []
+
+
+def test_elastic_brings_lent_devices_home_when_the_trainer_runs_dry() -> None:
+    roles = [Role.ROLLOUT] + [Role.TRAIN] * 5
+    moves = ElasticPolicy(base_rollout_devices=3).plan(_snap(roles, live=1, cap=4))
+    assert len(moves) == 2 and all(m.to_role == Role.ROLLOUT for m in moves)
+
+
+def test_elastic_without_consolidation_lends_only_an_emptied_rollout() -> None:
+    roles = [Role.ROLLOUT] * 3 + [Role.TRAIN] * 3
+    busy = dict(cap=4, backlog=1, busy=True)
+    policy = ElasticPolicy(base_rollout_devices=3, consolidate=False)
+    assert policy.plan(_snap(roles, live=1, per_device=[1, 0, 0, 0, 0, 0], **busy)) == []
+    moves = policy.plan(_snap(roles, live=0, **busy))
+    assert len(moves) == 3 and all(m.to_role == Role.TRAIN for m in moves)
+    consolidating = ElasticPolicy(base_rollout_devices=3).plan(
+        _snap(roles, live=1, per_device=[1, 0, 0, 0, 0, 0], **busy)
+    )
+    assert sorted(m.device_id for m in consolidating) == ["d01", "d02"]  # emptiest engines first

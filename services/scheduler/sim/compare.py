@@ -4,7 +4,9 @@ Equal work: every policy trains exactly the same sampled executions, batch k at 
 full (no policy trains on unfinished executions, so none needs the partial-scoring option).
 Async and Elastic share the workload's staleness bound; Colocate is synchronous (0). The Async
 baseline is the best fixed split found by `sweep_async` (every split on small pools, a grid refined
-to single units on large ones; ties: fewer rollout units).
+to single units on large ones; ties: fewer rollout units). Elastic gets no sweep of its own: its
+home split is that same best split (`plan_elastic`). `critical_path_bound` is the time per step no
+policy can beat (sim/bound.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import yaml
 
 from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Policy
+from services.scheduler.sim.bound import critical_path_s_per_step
 from services.scheduler.sim.cost import CostModel
 from services.scheduler.sim.engine import SimResult, Simulation
 from services.scheduler.sim.sample import ExecutionPlan, sample_executions
@@ -84,6 +87,8 @@ class Comparison:
     results: dict[str, SimResult]
     best_async_units: int
     async_sweep: dict[int, float]
+    elastic_policy: ElasticPolicy
+    bound_s_per_step: float
 
     def to_json(self) -> dict[str, Any]:
         w = self.workload
@@ -107,18 +112,50 @@ class Comparison:
         out["engine_slots"] = c.extra["engine_slots"]
         out["devices_per_unit"] = w.devices_per_unit
         out["trains_on_unfinished_executions"] = False
+        ep = self.elastic_policy
+        out["elastic_plan"] = {
+            "home_rollout_devices": (ep.base_rollout_devices or 0) * w.devices_per_unit,
+            "consolidates_tail": ep.consolidate,
+        }
+        b = self.bound_s_per_step
+        out["critical_path_bound"] = {
+            "time_per_step_s": round(b, 1),
+            "max_speedup_vs_colocate": round(c.time_per_step_s / b, 3),
+            "max_speedup_vs_async": round(a.time_per_step_s / b, 3),
+        }
         return out
 
 
+def plan_elastic(w: Workload, best_async_units: int) -> ElasticPolicy:
+    """Size Elastic the way an operator sizes Async, from the same sweep: its home split is the best
+    static split. It consolidates the tail (migrates live executions to lend engines) only when the
+    rollout is KV-bound, i.e. one batch does not fit in the home split's slots; otherwise decode is
+    bandwidth-bound, packing executions onto fewer engines slows them, and Elastic lends only an
+    emptied rollout (no live execution left) to the trainer."""
+    slots = _prepared(w)[1].engine_slots()
+    return ElasticPolicy(
+        staleness_bound=w.staleness_bound,
+        base_rollout_devices=best_async_units,
+        consolidate=w.executions_per_step > best_async_units * slots,
+    )
+
+
 def compare(w: Workload) -> Comparison:
-    """Colocate, best Async split and Elastic on `w`."""
+    """Colocate, best Async split and Elastic on `w`. Elastic's home split is the best static split
+    of the same sweep (the knowledge an operator sizing Async has; Elastic gets no sweep of its own)."""
     a, n, sweep = sweep_async(w)
     results = {
         "colocate": simulate(w, ColocatePolicy()),
         "async": a,
-        "elastic": simulate(w, ElasticPolicy(staleness_bound=w.staleness_bound)),
+        "elastic": simulate(w, plan_elastic(w, n)),
     }
-    return Comparison(w, results, n, sweep)
+    return Comparison(w, results, n, sweep, plan_elastic(w, n), critical_path_bound(w))
+
+
+def critical_path_bound(w: Workload) -> float:
+    """Time per step no policy can beat on `w` at its staleness bound (sim/bound.py)."""
+    execs, cost = _prepared(w)
+    return critical_path_s_per_step(execs, cost, w.staleness_bound)
 
 
 def predict(
@@ -143,7 +180,7 @@ def predict(
     if policy == "colocate":
         r = simulate(w, ColocatePolicy())
     elif policy == "elastic":
-        r = simulate(w, ElasticPolicy(staleness_bound=w.staleness_bound))
+        r = simulate(w, plan_elastic(w, sweep_async(w)[1]))
     elif policy == "async":
         if num_rollout_devices is None:
             r, n, _ = sweep_async(w)
