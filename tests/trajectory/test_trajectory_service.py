@@ -387,3 +387,51 @@ async def test_service_process_starts_migrates_serves_and_stops_cleanly(nats_url
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(proc.wait(), timeout=60)
     assert code == 0
+
+
+async def test_a_failed_commit_changes_nothing_and_the_retried_batch_is_stored_exactly(database_url):
+    """The one fake here is at the outermost edge: the first Postgres commit is made to fail."""
+    from services.trajectory.core import TrajectoryCore
+    from services.trajectory.tree import TaskTree
+
+    await asyncio.to_thread(store.upgrade, database_url, MIGRATIONS, "alembic_version_trajectory")
+    engine = store.create_engine(database_url)
+    execs = generate(TINY)
+    core = TrajectoryCore("r", TrajectoryConfig(), engine)
+    real_commit = core.store.commit_steps
+    failures = iter([True])
+
+    def flaky_commit(batch):  # type: ignore[no-untyped-def]
+        if next(failures, False):
+            raise RuntimeError("connection lost")
+        real_commit(batch)
+
+    core.store.commit_steps = flaky_commit  # type: ignore[method-assign]
+    first = [step_event("r", c) for c in execs[0].calls]
+    second = [step_event("r", c) for c in execs[1].calls]
+    a = asyncio.create_task(core.ingest_steps(first))
+    b = asyncio.create_task(core.ingest_steps(second))  # if chained after the failing one, it fails too
+    results = await asyncio.gather(a, b, return_exceptions=True)
+    assert isinstance(results[0], RuntimeError)
+    for batch in (first, second):  # redelivered: stored now, or already stored
+        summary = await core.ingest_steps(batch)
+        assert summary.num_stored + summary.num_duplicates == len(batch)
+    assert (await fresh_count(engine)) == len(first) + len(second)
+    expected = TaskTree("t")
+    for ex in execs[:2]:
+        for c in ex.calls:
+            expected.insert_call(ex.execution_id, c.call_seq, c.prompt, c.completion, c.logprobs, c.versions)
+    fresh = TrajectoryCore("r", TrajectoryConfig(), engine)
+    await asyncio.to_thread(fresh.load)
+    assert fresh.trees[execs[0].task_id].num_tokens == expected.num_tokens
+    resp = fresh.export(execs[0].execution_id)
+    assert [list(c.prompt_token_ids) for c in resp.calls] == [c.prompt.tolist() for c in execs[0].calls]
+    engine.dispose()
+
+
+async def fresh_count(engine: sa.Engine) -> int:
+    def q() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text("select count(*) from traj_calls")).scalar() or 0)
+
+    return await asyncio.to_thread(q)
