@@ -53,7 +53,7 @@ def workload_for_run(run_dir: Path, summary: dict[str, Any]) -> Any:
     the "HBM bandwidth" makes one decode step of one sequence take as long as the run's measured
     per-rollout-device token rate implies (CPU decode batches poorly: one sequence per step is the
     conservative reading), the peak FLOP/s makes a training step take the measured train
-    device-seconds per step, role switches cost the measured mean switching time. No environment
+    time per step (its `step_s` metric; else train device-seconds per step), role switches cost the measured mean switching time. No environment
     latency (the long-horizon environment answers in microseconds).
     """
     import yaml
@@ -87,8 +87,13 @@ def workload_for_run(run_dir: Path, summary: dict[str, Any]) -> Any:
     tokens_per_s_per_device = max(1.0, float(summary.get("tokens_per_s") or 1.0) / max(rollout_devices, 1.0))
     efficiency = 0.8
     bandwidth = weight_bytes * tokens_per_s_per_device / efficiency
-    train_s_per_step = max(0.05, float(summary.get("train_device_s") or 1.0) / steps)
-    train_tokens_per_step = max(1.0, float(summary.get("batch_tokens") or 1.0) / steps)
+    # the trainer's own step time when it reports one (it may train without holding a device)
+    train_s_per_step = max(
+        0.05, float(summary.get("trainer_step_s") or (summary.get("train_device_s") or 1.0) / steps)
+    )
+    train_tokens_per_step = max(
+        1.0, float(summary.get("trainer_tokens_per_step") or (summary.get("batch_tokens") or 1.0) / steps)
+    )
     mfu = 0.4
     peak_flops = 6.0 * params * train_tokens_per_step / (mfu * train_s_per_step)
     switch_s = float(summary.get("mean_switch_s") or 0.5)

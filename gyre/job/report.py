@@ -60,6 +60,11 @@ def _distribution(values: list[int]) -> dict[str, float | None]:
     }
 
 
+def _mean_metric(a: RunAnalysis, name: str) -> float:
+    vals = [r.trainer_metrics[name] for r in a.steps if name in r.trainer_metrics]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
 def _mean_switch_s(a: RunAnalysis) -> float:
     spans = [s.end_s - s.start_s for s in a.segments if s.role == "switching"]
     return sum(spans) / len(spans) if spans else math.nan
@@ -96,6 +101,8 @@ def summary_of(a: RunAnalysis, extra: dict[str, Any] | None = None) -> dict[str,
         "execution_generated_tokens": _distribution(a.execution_generated_tokens),
         "mean_switch_s": _num(_mean_switch_s(a)),
         "train_device_s": a.device_time_s.get("train", 0.0),
+        "trainer_step_s": _num(_mean_metric(a, "step_s")),
+        "trainer_tokens_per_step": _num(_mean_metric(a, "num_tokens")),
         "rollout_device_s": a.device_time_s.get("rollout", 0.0),
     }
     v = a.verdict
