@@ -169,8 +169,8 @@ def predict(
 
     `workload` is a Workload, a workload YAML file, or a run YAML whose `scheduler.sim_workload`
     names one (relative to the run YAML); `policy` None means the run's `scheduler.policy` (else
-    elastic). For `async`, the split is `num_rollout_devices` if given (whole units), else the best
-    split from a sweep. `measured` (the run's summary) is accepted for callers that pass it; the
+    elastic). For `async` (and Elastic's home split), the split is `num_rollout_devices` if given
+    (whole units), else the best split from a sweep. `measured` (the run's summary) is accepted for callers that pass it; the
     prediction does not use it, so predicted and measured stay independent."""
     del measured
     if not isinstance(workload, Workload):
@@ -180,7 +180,8 @@ def predict(
     if policy == "colocate":
         r = simulate(w, ColocatePolicy())
     elif policy == "elastic":
-        r = simulate(w, plan_elastic(w, sweep_async(w)[1]))
+        home = num_rollout_devices // w.devices_per_unit if num_rollout_devices else sweep_async(w)[1]
+        r = simulate(w, plan_elastic(w, max(1, min(w.num_units - 1, home))))
     elif policy == "async":
         if num_rollout_devices is None:
             r, n, _ = sweep_async(w)
