@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.analytics import tap
-from gyre.bus import Bus
+from gyre.bus import Bus, subjects
 from gyre.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
 
 log = logging.getLogger("gyre.job.collector")
@@ -51,6 +51,7 @@ class EventCollector:
         self.listeners: list[Callable[[Record], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribed = 0
+        self._per_subject: dict[str, int] = {}  # events seen per subject (recorded or duplicate)
 
     def on_event(self, callback: Callable[[Record], None]) -> None:
         self.listeners.append(callback)
@@ -61,6 +62,7 @@ class EventCollector:
             return
         record = to_record(rec.msg, rec.subject, rec.time.timestamp())
         if self.writer.write(record):
+            self._per_subject[rec.subject] = self._per_subject.get(rec.subject, 0) + 1
             for callback in self.listeners:
                 try:
                     callback(record)
@@ -88,9 +90,30 @@ class EventCollector:
             for task in done:
                 task.result()  # re-raise why a subscription failed
 
+    def _num_recorded(self, subject_filter: str) -> int:
+        prefix = subject_filter.removesuffix(".>")
+        return sum(
+            n
+            for subject, n in self._per_subject.items()
+            if subject == prefix or subject.startswith(prefix + ".")
+        )
+
+    async def _num_stored(self, subject_filter: str) -> int | None:
+        """Messages the stream holds on `subject_filter` (None if unknown)."""
+        try:
+            spec = subjects.stream_for(subject_filter)
+            info = await self.bus.js.stream_info(spec.name, subjects_filter=subject_filter)
+            return int(sum((info.state.subjects or {}).values()))
+        except Exception:
+            return None
+
     async def sweep(self) -> None:
-        """Read every stream of the run from its start and record what the live tail has not yet."""
+        """Read again, from its start, every stream of the run whose live tail is behind (a stream
+        already fully recorded is skipped, so the sweep of a large run stays cheap)."""
         for flt in run_filters(self.run_id):
+            stored = await self._num_stored(flt)
+            if stored is not None and self._num_recorded(flt) >= stored:
+                continue
             try:
                 for rec in await tap.read_all(self.bus, flt):
                     self._record(rec)
@@ -104,11 +127,6 @@ class EventCollector:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        for flt in run_filters(self.run_id):
-            try:
-                for rec in await tap.read_all(self.bus, flt):
-                    self._record(rec)
-            except Exception as exc:  # the log keeps what the live tail saw
-                log.warning("final sweep of %s failed: %r", flt, exc)
+        await self.sweep()
         self.writer.close()
         return self.writer.num_written
