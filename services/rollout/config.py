@@ -66,6 +66,15 @@ class RolloutConfig(ConfigModel):
         False, description="Start a new group of a task whenever one of its groups ends."
     )
     max_live_executions: int = Field(256, ge=1, description="Executions running at once; more wait.")
+    groups_per_version: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Continuous mode admission: at most groups_per_version * (latest weight version + 1 + "
+            "max_staleness) groups are started in total, so rollout produces only what the trainer can "
+            "take within the staleness bound. Set it to the groups one trainer step consumes; 0: no limit."
+        ),
+    )
 
     context: Literal["none", "compaction", "strip_reasoning"] = Field(
         "none", description="Context management policy."

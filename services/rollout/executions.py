@@ -1,4 +1,11 @@
-"""Starts and counts executions: a group of `group_size` executions per task, each an agent run."""
+"""Starts and counts executions: a group of `group_size` executions per task, each an agent run.
+
+Admission (continuous mode): with `groups_per_version` = G > 0 and staleness bound S, the manager
+has started at most G * (latest_version + 1 + S) groups in total, counting the groups started at
+boot. A group that wants to start beyond that waits until the trainer publishes a newer version.
+This is what bounds rollout to the data the trainer can take within the staleness bound
+(AReaL-style), instead of flooding the pipeline with executions nobody will train on.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +29,16 @@ class ExecutionCounters:
 
 class ExecutionManager:
     def __init__(
-        self, agent: Agent, family: TaskFamily, *, run_id: str, seed: int, max_live: int, continuous: bool
+        self,
+        agent: Agent,
+        family: TaskFamily,
+        *,
+        run_id: str,
+        seed: int,
+        max_live: int,
+        continuous: bool,
+        groups_per_version: int = 0,
+        staleness_bound: int = 0,
     ) -> None:
         self.agent, self.family, self.run_id, self.seed = agent, family, run_id, seed
         self.continuous = continuous
@@ -31,10 +47,41 @@ class ExecutionManager:
         self._slots = asyncio.Semaphore(max_live)
         self._groups: dict[str, itertools.count[int]] = {}
         self._stopping = False
+        self.groups_per_version = groups_per_version
+        self.staleness_bound = max(0, staleness_bound)
+        self.latest_version = 0
+        self.groups_started = 0
+        self._admission = asyncio.Condition()
+        self._waiting: set[asyncio.Task[None]] = set()
+
+    def groups_allowed(self) -> int | None:
+        """Groups that may have been started in total at the current version; None: unbounded."""
+        if self.groups_per_version <= 0:
+            return None
+        return self.groups_per_version * (self.latest_version + 1 + self.staleness_bound)
+
+    async def on_version(self, version: int) -> None:
+        """A newer weight version is loaded: admit the groups it makes room for."""
+        async with self._admission:
+            self.latest_version = max(self.latest_version, version)
+            self._admission.notify_all()
+
+    async def _start_when_admitted(self, task_id: str, group_size: int) -> None:
+        async with self._admission:
+            await self._admission.wait_for(
+                lambda: (
+                    self._stopping
+                    or (allowed := self.groups_allowed()) is None
+                    or self.groups_started < allowed
+                )
+            )
+            if not self._stopping:
+                self.start_group(task_id, group_size)
 
     def start_group(self, task_id: str, group_size: int) -> list[str]:
         n = next(self._groups.setdefault(task_id, itertools.count()))
         group_id = f"{task_id}-g{n}"
+        self.groups_started += 1
         ids = []
         for k in range(group_size):
             spec = ExecutionSpec(
@@ -61,11 +108,17 @@ class ExecutionManager:
             self.counters.completed += 1
         last_of_group = not any(e.startswith(spec.group_id + "-e") for e in self.live)
         if self.continuous and not self._stopping and last_of_group:
-            self.start_group(spec.task_id, group_size)
+            waiter = asyncio.create_task(
+                self._start_when_admitted(spec.task_id, group_size), name=f"admit-{spec.task_id}"
+            )
+            self._waiting.add(waiter)
+            waiter.add_done_callback(self._waiting.discard)
         return out
 
     async def stop(self) -> None:
         """Let live executions finish (the caller bounds the wait)."""
         self._stopping = True
+        async with self._admission:
+            self._admission.notify_all()
         if self.live:
             await asyncio.gather(*self.live.values(), return_exceptions=True)

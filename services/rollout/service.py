@@ -176,7 +176,10 @@ class RolloutService(Service):
             seed=self.common.seed,
             max_live=cfg.max_live_executions,
             continuous=cfg.continuous,
+            groups_per_version=cfg.groups_per_version,
+            staleness_bound=cfg.max_staleness,
         )
+        self.swapper.on_loaded = self.executions.on_version
         rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self), rt.server)
         await rt.bus.consume(
             subjects.weights(run_id),

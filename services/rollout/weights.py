@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from gyre.errors import GyreError
 from gyre.v1 import common_pb2, events_pb2
@@ -27,6 +28,8 @@ class WeightSwapper:
         self.latest: common_pb2.WeightVersion | None = None
         self.num_refused = 0
         self._lock = asyncio.Lock()
+        # Called with each version once every engine loaded it (e.g. execution admission).
+        self.on_loaded: Callable[[int], Awaitable[None]] | None = None
 
     async def handle(self, events: list[events_pb2.WeightsPublishedEvent]) -> None:
         """Bus handler: apply the newest version among `events`."""
@@ -49,4 +52,6 @@ class WeightSwapper:
                 log.error("weights v%d refused: %s", weights.version, exc)
             if not failures:
                 self.latest = weights
+                if self.on_loaded is not None:
+                    await self.on_loaded(weights.version)
             await self.router.notify_weights_loaded()
