@@ -26,6 +26,7 @@ import math
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,14 @@ from gyre.errors import InvalidArgument, NotFound
 from gyre.v1 import common_pb2, events_pb2, trajectory_pb2
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.grouping import GroupResult, score_group
-from services.trajectory.packing import PackedBatch, PackedExecution, ScoredGroup, pack, select_groups
+from services.trajectory.packing import (
+    PackedBatch,
+    PackedExecution,
+    ScoredGroup,
+    pack,
+    select_groups,
+    trainable_tokens,
+)
 from services.trajectory.scoring import Ending, Outcome, Progress, load_scorer, validate_progress
 from services.trajectory.store import NewCall, StepBatch, TrajectoryStore, decode_chunks
 from services.trajectory.tree import NodeIds, TaskTree
@@ -66,7 +74,7 @@ class ExecInfo:
 class GroupInfo:
     task_id: str
     members: set[str] = field(default_factory=set)
-    state: str = "open"  # open | scored | batched | dropped_stale | rejected
+    state: str = "open"  # open | scored | batched | dropped_stale | rejected | empty
     scored_unix_s: float | None = None
     min_version: int = -1
     scored: ScoredGroup | None = None
@@ -135,6 +143,9 @@ class TrajectoryCore:
         self.lock = asyncio.Lock()
         self.counters: Counter[str] = Counter()
         self.batch_ready = asyncio.Event()
+        # Publishes the BatchReadyEvent of a batch packed at pull time (set by the service; None in tests
+        # that use the core alone).
+        self.announce: Callable[[events_pb2.BatchReadyEvent], Awaitable[None]] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -547,10 +558,17 @@ class TrajectoryCore:
             for gid in stale:
                 self.groups[gid].state = "dropped_stale"
             self.counters["groups_dropped_stale"] += len(stale)
+        empty = [g.group_id for g in fresh if trainable_tokens(self.trees[g.task_id], g) == 0]
+        if empty:
+            await self._skip_empty(empty)
+            fresh = [g for g in fresh if g.group_id not in set(empty)]
         if not fresh:
             return None
         chosen = select_groups(self.trees, fresh, max_tokens)
         packed = pack(self.trees, chosen, batch_id=uuid.uuid4().hex[:16])
+        if not packed.chunks:  # cannot happen after the filter above; never hand out an empty batch
+            await self._skip_empty([g.group_id for g in chosen])
+            return None
         await self._commit(self.store.create_batch, packed, state, consumer)
         for g in chosen:
             self.groups[g.group_id].state = "batched"
@@ -558,6 +576,14 @@ class TrajectoryCore:
         self.counters["batched_tokens"] += packed.num_tokens
         self.counters["batched_flat_tokens"] += packed.num_flat_tokens
         return packed
+
+    async def _skip_empty(self, group_ids: list[str]) -> None:
+        """Groups with no generated token to train (no completions, no stored calls): state ``empty``, counted."""
+        log.warning("groups with nothing to train are skipped (state 'empty'): %s", ", ".join(group_ids))
+        await self._commit(self.store.mark_groups, group_ids, "empty")
+        for gid in group_ids:
+            self.groups[gid].state = "empty"
+        self.counters["groups_skipped_empty"] += len(group_ids)
 
     async def build_announced_batch(self) -> events_pb2.BatchReadyEvent | None:
         """Build a batch when scored groups fill min_batch_fill of the budget or waited batch_max_wait_s."""
@@ -613,7 +639,9 @@ class TrajectoryCore:
         current = int(req.current_version) if req.current_version else None
         deadline = time.monotonic() + max(0.0, req.wait_s)
         while True:
-            chunks = await self._pull_once(max_tokens, current, req.consumer)
+            chunks, packed = await self._pull_once(max_tokens, current, req.consumer)
+            if packed is not None:
+                await self._announce(packed)
             if chunks:
                 self.counters["batches_delivered"] += 1
                 return chunks
@@ -626,9 +654,23 @@ class TrajectoryCore:
             except TimeoutError:
                 pass
 
+    async def _announce(self, packed: PackedBatch) -> None:
+        """Publish the BatchReadyEvent of a batch built at pull time (those built by the poll loop are
+        published there). A failed publish is logged and counted; the batch is still handed out."""
+        if self.announce is None:
+            return
+        try:
+            await self.announce(self._ready_event(packed))
+        except Exception:
+            log.exception("BatchReadyEvent of batch %s could not be published", packed.batch_id)
+            self.counters["batch_events_failed"] += 1
+        else:
+            self.counters["batch_events_published"] += 1
+
     async def _pull_once(
         self, max_tokens: int, current: int | None, consumer: str
-    ) -> list[trajectory_pb2.BatchChunk]:
+    ) -> tuple[list[trajectory_pb2.BatchChunk], PackedBatch | None]:
+        """Chunks of a claimed batch and, when it was packed now, the batch (to announce)."""
         async with self.lock:
             while True:
                 b = await asyncio.to_thread(self.store.next_ready_batch)
@@ -646,9 +688,9 @@ class TrajectoryCore:
                         self.groups[gid].state = "scored"
                     continue
                 if await asyncio.to_thread(self.store.mark_delivered, b.batch_id, consumer):
-                    return decode_chunks(b.chunks)
+                    return decode_chunks(b.chunks), None
             packed = await self._build(max_tokens, current, "delivered", consumer)
-            return packed.chunks if packed is not None else []
+            return (packed.chunks, packed) if packed is not None else ([], None)
 
     async def ack(self, req: trajectory_pb2.AckBatchRequest) -> None:
         if not await asyncio.to_thread(
@@ -684,7 +726,7 @@ class TrajectoryCore:
         out["tree_tokens"] = float(sum(t.num_tokens for t in self.trees.values()))
         out["tree_nodes"] = float(sum(len(t.nodes) for t in self.trees.values()))
         out["executions"] = float(len(self.executions))
-        for state in ("open", "scored", "batched", "dropped_stale", "rejected"):
+        for state in ("open", "scored", "batched", "dropped_stale", "rejected", "empty"):
             out[f"groups_state_{state}"] = float(sum(1 for g in self.groups.values() if g.state == state))
         out.update(await asyncio.to_thread(self.store.counts))
         return out

@@ -70,6 +70,15 @@ def _group_nodes(tree: TaskTree, group: ScoredGroup) -> set[int]:
     return tree.nodes_of(e.execution_id for e in group.executions)
 
 
+def trainable_tokens(tree: TaskTree, group: ScoredGroup) -> int:
+    """Tokens some execution of the group generated (0: nothing to train, e.g. no completions or no calls)."""
+    return sum(
+        int(mask.sum())
+        for e in group.executions
+        for mask, _, _ in tree.owned_positions(e.execution_id).values()
+    )
+
+
 def select_groups(
     trees: dict[str, TaskTree], groups: list[ScoredGroup], max_tokens: int
 ) -> list[ScoredGroup]:
@@ -96,7 +105,11 @@ def select_groups(
 def pack(
     trees: dict[str, TaskTree], groups: list[ScoredGroup], *, batch_id: str | None = None
 ) -> PackedBatch:
-    """Pack the given groups (caller chose them with ``select_groups``) into one batch."""
+    """Pack the given groups (caller chose them with ``select_groups``) into one batch.
+
+    A task whose selected executions hold no stored call contributes no chunk, so a selection
+    with nothing in it gives a batch with no chunks (the caller hands out no batch), never an error.
+    """
     batch_id = batch_id or uuid.uuid4().hex
     by_task: dict[str, list[ScoredGroup]] = {}
     for g in groups:
@@ -121,6 +134,8 @@ def pack(
         tgroups = by_task[task_id]
         execs = sorted((e for g in tgroups for e in g.executions), key=lambda e: e.execution_id)
         node_set = tree.nodes_of(e.execution_id for e in execs)
+        if not node_set:
+            continue
         order = _dfs_order(tree, node_set)
         index = {nid: i for i, nid in enumerate(order)}
         lengths = np.array([len(tree.nodes[n].tokens) for n in order], dtype=np.int32)
@@ -128,7 +143,7 @@ def pack(
         if len(order) > 1:
             offsets[1:] = np.cumsum(lengths)[:-1]
         size = int(lengths.sum())
-        tokens = np.concatenate([tree.nodes[n].tokens for n in order]) if order else np.zeros(0, np.int32)
+        tokens = np.concatenate([tree.nodes[n].tokens for n in order])
         positions = np.concatenate(
             [np.arange(tree.nodes[n].start, tree.nodes[n].end, dtype=np.int32) for n in order]
         )

@@ -102,6 +102,12 @@ class TrajectoryService(Service):
         self.bus = rt.bus
         core = self.core = TrajectoryCore(self.common.run_id, self.cfg, rt.engine)
         await asyncio.to_thread(core.load)
+        run_id = self.common.run_id
+
+        async def announce(ev: events_pb2.BatchReadyEvent) -> None:
+            await rt.bus.publish(subjects.paths_batch(run_id), ev, msg_id=ev.event_id)
+
+        core.announce = announce
         trajectory_pb2_grpc.add_TrajectoryServicer_to_server(TrajectoryServicer(core), rt.server)
         run = self.common.run_id
         durable = self.cfg.durable_name

@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 
 from services.trajectory.grouping import score_group
-from services.trajectory.packing import PackedExecution, ScoredGroup, pack, select_groups
+from services.trajectory.packing import PackedExecution, ScoredGroup, pack, select_groups, trainable_tokens
 from services.trajectory.scoring import Ending, Outcome, Progress, ProgressScorer
 from services.trajectory.tree import TaskTree
 from services.trajectory.workload import WorkloadConfig, generate
@@ -184,3 +184,26 @@ def test_groups_are_packed_under_the_token_budget_first_fit():
     assert [g.group_id for g in select_groups(trees, groups, one)] == [gids[0]]
     assert len(select_groups(trees, groups, 10**9)) == 2
     assert len(select_groups(trees, groups, 1)) == 1  # a tree over budget still goes alone
+
+
+def test_a_selection_with_no_stored_calls_packs_no_chunk_instead_of_failing():
+    _, trees = build()
+    task_id = sorted(trees)[0]
+    ghost = ScoredGroup("g-ghost", task_id, [PackedExecution("never-stepped", 1.0, 1, 1.0, 1.0, 0)])
+    packed = pack(trees, [ghost])
+    assert packed.chunks == [] and packed.num_tokens == 0 and packed.num_paths == 0
+
+
+def test_executions_with_only_prompt_tokens_have_nothing_to_train():
+    tree = TaskTree("t")
+    prompt = np.arange(1, 9, dtype=np.int32)
+    empty = np.zeros(0, dtype=np.int32)
+    for e in ("e0", "e1"):
+        tree.insert_call(e, 0, prompt, empty, np.zeros(0, np.float32), np.zeros(0, np.int64))
+    group = ScoredGroup("g", "t", [PackedExecution(e, 0.0, 1, 1.0, 0.0, 0) for e in ("e0", "e1")])
+    assert trainable_tokens(tree, group) == 0
+    tree.insert_call(
+        "e2", 0, prompt, np.array([42], np.int32), np.zeros(1, np.float32), np.zeros(1, np.int64)
+    )
+    group.executions.append(PackedExecution("e2", 0.0, 1, 1.0, 0.0, 0))
+    assert trainable_tokens(tree, group) == 1

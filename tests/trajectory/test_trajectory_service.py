@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import sqlalchemy as sa
 
@@ -435,3 +436,77 @@ async def fresh_count(engine: sa.Engine) -> int:
             return int(conn.execute(sa.text("select count(*) from traj_calls")).scalar() or 0)
 
     return await asyncio.to_thread(q)
+
+
+async def _collect(bus: Bus, subject: str, msg_type, out: list) -> None:  # type: ignore[no-untyped-def]
+    async for msg in bus.tail(subject, msg_type, from_start=True):
+        out.append(msg)
+
+
+async def test_a_group_with_nothing_to_train_is_skipped_and_pulled_batches_are_announced(
+    nats_url, database_url
+):
+    from gyre.v1 import events_pb2
+    from services.trajectory.workload import GeneratedCall, GeneratedExecution
+
+    run_id = unique_run()
+    # Only the poll loop's own batches would otherwise be announced: keep it from building any.
+    run = await start(nats_url, database_url, run_id, min_batch_fill=1.0, batch_max_wait_s=3600.0)
+    ready: list[events_pb2.BatchReadyEvent] = []
+    scored: list[events_pb2.GroupScoredEvent] = []
+    tails = [
+        asyncio.create_task(
+            _collect(run.bus, subjects.paths_batch(run_id), events_pb2.BatchReadyEvent, ready)
+        ),
+        asyncio.create_task(
+            _collect(run.bus, subjects.paths_scored(run_id), events_pb2.GroupScoredEvent, scored)
+        ),
+    ]
+    try:
+        # Every execution of this group made one call that produced no completion token.
+        silent = []
+        for i in range(2):
+            ex = GeneratedExecution("t-silent", "t-silent-g0", f"t-silent-g0-e{i}", reward=float(i))
+            ex.calls.append(
+                GeneratedCall(
+                    ex.task_id, ex.group_id, ex.execution_id, 0,
+                    np.arange(1, 17, dtype=np.int32), np.zeros(0, np.int32),
+                    np.zeros(0, np.float32), np.zeros(0, np.int64),
+                )
+            )  # fmt: skip
+            silent.append(ex)
+        await publish_group(run, run_id, silent)
+        await wait_for(lambda: _has(run, "groups_scored"))
+        # A second group of the same task (its tree exists) whose executions ended before any call.
+        stillborn = [GeneratedExecution("t-silent", "t-silent-g1", f"t-silent-g1-e{i}") for i in range(2)]
+        await publish_group(run, run_id, stillborn)
+        await wait_for(lambda: _stat_at_least(run, "groups_scored", 2))
+        assert await pull(run, wait_s=0.3) == []
+        assert await stat(run, "groups_skipped_empty") == 2
+        assert await stat(run, "groups_state_empty") == 2
+
+        execs = generate(TINY)
+        await publish_group(run, run_id, execs)
+        chunks = await pull(run, wait_s=30.0)
+        assert chunks and chunks[-1].last
+        await wait_for(lambda: _len_at_least(ready, 1))
+        (ev,) = ready
+        assert ev.batch_id == chunks[0].batch_id
+        assert ev.num_tokens == sum(len(c.token_ids) for c in chunks)
+        assert ev.num_flat_tokens == sum(c.num_flat_tokens for c in chunks) > ev.num_tokens
+        assert ev.num_paths == sum(c.num_paths for c in chunks)
+        assert ev.max_policy_version >= ev.min_policy_version >= 0
+        await wait_for(lambda: _len_at_least(scored, 3))
+        assert {s.group_id for s in scored} == {"t-silent-g0", "t-silent-g1", execs[0].group_id}
+    finally:
+        for t in tails:
+            t.cancel()
+        await run.stop()
+
+
+async def _len_at_least(items: list, n: int) -> bool:  # type: ignore[type-arg]
+    return len(items) >= n
+
+
+async def _stat_at_least(run: Running, name: str, n: float) -> bool:
+    return await stat(run, name) >= n
