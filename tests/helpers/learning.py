@@ -72,6 +72,15 @@ class IterationReport:
 
 async def run_learning(s: LearningSettings, work_dir: Path | None = None) -> list[IterationReport]:
     """Sample, score, pack, train, reload weights; one report (mean reward before the update) per iteration."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # same float summation order on every machine: a fixed seed gives one result
+    try:
+        return await _run_learning(s, work_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def _run_learning(s: LearningSettings, work_dir: Path | None) -> list[IterationReport]:
     torch.manual_seed(s.seed)
     tmp = tempfile.TemporaryDirectory() if work_dir is None else None
     out_dir = Path(tmp.name) if tmp else Path(work_dir)  # type: ignore[arg-type]
