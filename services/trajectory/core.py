@@ -47,7 +47,7 @@ from services.trajectory.packing import (
 )
 from services.trajectory.scoring import Ending, Outcome, Progress, load_scorer, validate_progress
 from services.trajectory.store import NewCall, StepBatch, TrajectoryStore, decode_chunks
-from services.trajectory.tree import NodeIds, TaskTree
+from services.trajectory.tree import Node, NodeIds, TaskTree
 
 log = logging.getLogger("gyre.trajectory")
 
@@ -78,6 +78,7 @@ class GroupInfo:
     scored_unix_s: float | None = None
     min_version: int = -1
     scored: ScoredGroup | None = None
+    tree_tokens: int | None = None  # tokens of the group's own nodes, computed once (batch-fill estimate)
 
 
 def progress_from_pb(p: common_pb2.ProgressSignal) -> Progress:
@@ -132,6 +133,25 @@ def validate_step(step: events_pb2.StepEvent) -> np.ndarray:
     if step.HasField("progress"):
         validate_progress(progress_from_pb(step.progress), step.execution_id)
     return lp
+
+
+def _shared_with_previous_call(
+    tree: TaskTree, execution_id: str, call_seq: int, prompt: np.ndarray
+) -> tuple[Node, int] | None:
+    """For a full prompt: (end node of the execution's previous call, tokens the prompt shares with it).
+
+    Usually the prompt extends the previous call's sequence, so one vectorised comparison replaces
+    the walk from the root that compares node by node (one numpy call per node of a deep path).
+    The tree built is the same either way: the shared prefix is exactly the path to that node.
+    """
+    prev = tree.calls.get((execution_id, call_seq - 1))
+    if prev is None or not len(prompt):
+        return None
+    seq = tree.sequence(prev.end_node)
+    m = min(len(seq), len(prompt))
+    same = seq[:m] == prompt[:m]
+    k = m if bool(same.all()) else int(np.argmin(same))
+    return (prev.end_node, k) if k > 0 else None
 
 
 class TrajectoryCore:
@@ -284,6 +304,8 @@ class TrajectoryCore:
                     head = tree.sequence(base.end_node)[: step.prompt_base_len]
                     prompt = np.concatenate([head, prompt])
                     known_prefix = (base.end_node, step.prompt_base_len)
+                else:
+                    known_prefix = _shared_with_previous_call(tree, step.execution_id, step.call_seq, prompt)
                 rec, changes = tree.insert_call(
                     step.execution_id,
                     step.call_seq,
@@ -453,10 +475,12 @@ class TrajectoryCore:
                     g.state = "rejected"
                     continue
                 vmin, vmax = self._versions(tree, res)
+                # Nothing generated (no completion tokens, no stored calls): recorded, never packed.
+                state = "scored" if trainable_tokens(tree, res.group) > 0 else "empty"
                 await self._commit(
                     self.store.commit_group,
                     gid,
-                    "scored",
+                    state,
                     self._score_rows(gid, res),
                     self._dedup_rows(res),
                     {
@@ -466,8 +490,11 @@ class TrajectoryCore:
                         "reward_std": res.stats.std,
                     },
                 )
-                g.state, g.scored, g.scored_unix_s, g.min_version = "scored", res.group, now, vmin
+                g.state, g.scored, g.scored_unix_s, g.min_version = state, res.group, now, vmin
                 self.counters["groups_scored"] += 1
+                if state == "empty":
+                    log.warning("group %s has nothing to train (no generated token); skipped", gid)
+                    self.counters["groups_skipped_empty"] += 1
                 self.counters["dedup_exact_merged"] += res.dedup.num_exact_merged
                 self.counters["dedup_near_duplicates"] += res.dedup.num_near_duplicates
                 events.append(
@@ -558,15 +585,12 @@ class TrajectoryCore:
             for gid in stale:
                 self.groups[gid].state = "dropped_stale"
             self.counters["groups_dropped_stale"] += len(stale)
-        empty = [g.group_id for g in fresh if trainable_tokens(self.trees[g.task_id], g) == 0]
-        if empty:
-            await self._skip_empty(empty)
-            fresh = [g for g in fresh if g.group_id not in set(empty)]
         if not fresh:
             return None
         chosen = select_groups(self.trees, fresh, max_tokens)
         packed = pack(self.trees, chosen, batch_id=uuid.uuid4().hex[:16])
-        if not packed.chunks:  # cannot happen after the filter above; never hand out an empty batch
+        if not packed.chunks:
+            # Groups scored before the 'empty' check existed (loaded from Postgres): never an empty batch.
             await self._skip_empty([g.group_id for g in chosen])
             return None
         await self._commit(self.store.create_batch, packed, state, consumer)
@@ -576,6 +600,14 @@ class TrajectoryCore:
         self.counters["batched_tokens"] += packed.num_tokens
         self.counters["batched_flat_tokens"] += packed.num_flat_tokens
         return packed
+
+    def _tree_tokens(self, info: GroupInfo, group: ScoredGroup) -> int:
+        if info.tree_tokens is None:
+            tree = self.trees[group.task_id]
+            info.tree_tokens = sum(
+                len(tree.nodes[n].tokens) for n in tree.nodes_of(e.execution_id for e in group.executions)
+            )
+        return info.tree_tokens
 
     async def _skip_empty(self, group_ids: list[str]) -> None:
         """Groups with no generated token to train (no completions, no stored calls): state ``empty``, counted."""
@@ -592,11 +624,9 @@ class TrajectoryCore:
             if not fresh:
                 return None
             oldest = min(self.groups[g.group_id].scored_unix_s or 0 for g in fresh)
-            tokens = sum(
-                len(self.trees[g.task_id].nodes[n].tokens)
-                for g in fresh
-                for n in self.trees[g.task_id].nodes_of(e.execution_id for e in g.executions)
-            )
+            # Sum of each group's own tree tokens, computed once per group: an over-estimate of the union
+            # when groups share a task, which only builds a batch a little earlier.
+            tokens = sum(self._tree_tokens(self.groups[g.group_id], g) for g in fresh)
             if (
                 tokens < self.cfg.min_batch_fill * self.cfg.max_batch_tokens
                 and time.time() - oldest < self.cfg.batch_max_wait_s

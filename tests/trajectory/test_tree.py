@@ -178,3 +178,30 @@ def test_mismatched_completion_arrays_are_rejected_with_a_clear_error():
     with pytest.raises(InvalidArgument, match="same length"):
         tree.insert_call("e", 0, toks(3), toks(4), np.zeros(3, np.float32), np.zeros(4, np.int64))
     assert not tree.nodes
+
+
+def test_full_prompts_inserted_from_the_previous_call_build_the_same_tree_as_from_the_root():
+    from services.trajectory.core import _shared_with_previous_call
+    from services.trajectory.workload import WorkloadConfig, generate
+
+    cfg = WorkloadConfig(
+        num_groups=1, group_size=3, task_prompt_tokens=64, num_turns=9, generated_tokens=8,
+        observation_tokens=12, compaction_every=3, summary_tokens=6, retry_fraction=0.4,
+        shared_early_turns=1, seed=11,
+    )  # fmt: skip
+    plain, hinted = TaskTree("t"), TaskTree("t")
+    used_hint = 0
+    for ex in generate(cfg):
+        for c in ex.calls:
+            plain.insert_call(ex.execution_id, c.call_seq, c.prompt, c.completion, c.logprobs, c.versions)
+            hint = _shared_with_previous_call(hinted, ex.execution_id, c.call_seq, c.prompt)
+            used_hint += hint is not None
+            hinted.insert_call(
+                ex.execution_id, c.call_seq, c.prompt, c.completion, c.logprobs, c.versions, known_prefix=hint
+            )
+    assert used_hint > 0
+    assert hinted.num_tokens == plain.num_tokens and len(hinted.nodes) == len(plain.nodes)
+    for key, rec in plain.calls.items():
+        other = hinted.calls[key]
+        assert np.array_equal(plain.sequence(rec.end_node), hinted.sequence(other.end_node))
+        assert rec.prompt_len == other.prompt_len
