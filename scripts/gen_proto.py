@@ -37,7 +37,9 @@ def generate(out: Path) -> list[Path]:
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed: see the messages above")
     init = out / "gyre" / "v1" / "__init__.py"
-    init.write_text('"""Generated protobuf and gRPC stubs of proto/gyre/v1 (scripts/gen_proto.py). Do not edit."""\n')
+    init.write_text(
+        '"""Generated protobuf and gRPC stubs of proto/gyre/v1 (scripts/gen_proto.py). Do not edit."""\n'
+    )
     return sorted((out / "gyre" / "v1").glob("*.py*"))
 
 
