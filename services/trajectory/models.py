@@ -36,7 +36,7 @@ class Task(Base):
 
 
 class ExecutionGroup(Base):
-    """One group of executions of a task (GRPO group). state: open -> scored -> batched | dropped_stale."""
+    """One group of executions of a task (GRPO group). state: open -> scored -> batched | dropped_stale | rejected | empty (nothing generated to train)."""
 
     __tablename__ = "traj_execution_groups"
     run_id: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
