@@ -99,7 +99,9 @@ def load_common(path: str | Path | None = None, data: dict[str, Any] | None = No
     return build(CommonConfig, fields, where="run")
 
 
-def load_section(cls: type[M], section: str, path: str | Path | None = None, data: dict[str, Any] | None = None) -> M:
+def load_section(
+    cls: type[M], section: str, path: str | Path | None = None, data: dict[str, Any] | None = None
+) -> M:
     """A service's config from the `section:` mapping of the run YAML plus GYRE_<SECTION>__* env."""
     raw = dict(data if data is not None else load_yaml(path))
     sec = raw.get(section) or {}

@@ -16,12 +16,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("gyre.launcher.status", "show the health of every service of a running deployment"),
     "events": ("gyre.analytics.cli", "events tail [SUBJECT] | events export --format parquet"),
     "db": ("gyre.store.cli", "db upgrade: apply every service's Alembic migrations"),
-    "run": ("gyre.job.run", "run a training job from a YAML config (the quickstart: examples/quickstart.yaml)"),
+    "run": (
+        "gyre.job.run",
+        "run a training job from a YAML config (the quickstart: examples/quickstart.yaml)",
+    ),
     "compare": ("gyre.job.compare", "compare run directories side by side, with the simulator's prediction"),
     "sim": ("services.scheduler.sim.cli", "discrete-event cluster simulator of the scheduling policies"),
-    "trajectory": ("services.trajectory.cli", "trajectory export --execution ID: rebuild every call of an execution"),
-    "bench trajectory": ("services.trajectory.bench", "tree vs flat vs interleaved tokens, ingest and reconstruct speed"),
-    "bench rollout": ("services.rollout.bench", "executions across devices reassigned under load, live migration"),
+    "trajectory": (
+        "services.trajectory.cli",
+        "trajectory export --execution ID: rebuild every call of an execution",
+    ),
+    "bench trajectory": (
+        "services.trajectory.bench",
+        "tree vs flat vs interleaved tokens, ingest and reconstruct speed",
+    ),
+    "bench rollout": (
+        "services.rollout.bench",
+        "executions across devices reassigned under load, live migration",
+    ),
     "bench trainer": ("services.trainer.bench", "tree-packed vs flat training step"),
 }
 
