@@ -126,6 +126,24 @@ def _extras(prompt: list[int], c: Completion) -> dict[str, Any]:
     }
 
 
+def _response(
+    response_id: str, kind: str, model: str, choice: dict[str, Any], prompt: list[int], c: Completion
+) -> dict[str, Any]:
+    """The OpenAI response envelope shared by completions and chat completions (one choice)."""
+    return {
+        "id": response_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(c.token_ids),
+            "total_tokens": len(prompt) + len(c.token_ids),
+        },
+    }
+
+
 def _finish(c: Completion, tool_calls: bool = False) -> str:
     return "tool_calls" if tool_calls else ("stop" if c.finish_reason == "stop" else "length")
 
@@ -188,18 +206,14 @@ def create_app(endpoint: OpenAIEndpoint) -> FastAPI:
                 "text_offset": None,
             }
         choice.update(_extras(prompt, c))
-        return {
-            "id": f"cmpl-{state.spec.execution_id}-{state.calls - 1}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": endpoint.model_name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(c.token_ids),
-                "total_tokens": len(prompt) + len(c.token_ids),
-            },
-        }
+        return _response(
+            f"cmpl-{state.spec.execution_id}-{state.calls - 1}",
+            "text_completion",
+            endpoint.model_name,
+            choice,
+            prompt,
+            c,
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> dict[str, Any]:
@@ -245,19 +259,15 @@ def create_app(endpoint: OpenAIEndpoint) -> FastAPI:
                 ]
             }
         choice.update(_extras(prompt, c))
-        return {
-            "id": f"chatcmpl-{state.spec.execution_id}-{state.calls - 1}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": endpoint.model_name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(c.token_ids),
-                "total_tokens": len(prompt) + len(c.token_ids),
-            },
-            **_extras(prompt, c),
-        }
+        response = _response(
+            f"chatcmpl-{state.spec.execution_id}-{state.calls - 1}",
+            "chat.completion",
+            endpoint.model_name,
+            choice,
+            prompt,
+            c,
+        )
+        return {**response, **_extras(prompt, c)}
 
     @app.post("/gyre/executions/{execution_id}/end")
     async def end_execution(execution_id: str, request: Request) -> dict[str, Any]:
