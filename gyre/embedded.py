@@ -247,6 +247,42 @@ def _postgres_os_user() -> pwd.struct_passwd | None:
         ) from None
 
 
+def _reachable_by_others(path: Path) -> bool:
+    """True if every directory above `path` lets other users through (o+x)."""
+    return all(parent.stat().st_mode & 0o001 for parent in path.resolve().parents)
+
+
+def _postgres_bin_dir_for(user: pwd.struct_passwd | None) -> Path:
+    """bin/ the Postgres OS user can execute. Run as root, the venv may sit under a directory private
+    to root (e.g. a clone in a 0700 `mktemp -d`); then the install is copied once to a shared,
+    world-readable place under $TMPDIR/gyre-postgres/ and reused by later starts."""
+    bin_dir = postgres_bin_dir()
+    if user is None or _reachable_by_others(bin_dir):
+        return bin_dir
+    install = bin_dir.parent
+    base = Path(tempfile.gettempdir()) / "gyre-postgres"
+    base.mkdir(mode=0o711, exist_ok=True)
+    base.chmod(0o711)
+    copy = base / f"pginstall-{hashlib.sha256(str(install).encode()).hexdigest()[:16]}"
+    # Keep the wheel's layout: binaries find their libraries via RPATH $ORIGIN/../../../<pkg>.libs.
+    package = install.parent
+    libs = package.parent / f"{package.name}.libs"
+    if not (copy / ".complete").exists():
+        staging = Path(tempfile.mkdtemp(prefix=copy.name + ".", dir=base))
+        tree = staging / "tree"
+        shutil.copytree(install, tree / package.name / install.name, symlinks=True)
+        if libs.is_dir():
+            shutil.copytree(libs, tree / libs.name, symlinks=True)
+        for root, dirs, _files in os.walk(staging):
+            for d in dirs:
+                (Path(root) / d).chmod(0o755)
+        (tree / ".complete").write_text(str(install))
+        with contextlib.suppress(OSError):  # another process may have finished the same copy first
+            tree.rename(copy)
+        shutil.rmtree(staging, ignore_errors=True)
+    return copy / package.name / install.name / "bin"
+
+
 def _root_pgdata_home(data_dir: Path) -> Path:
     """Where the cluster of `data_dir` lives when we are root: a directory the Postgres user can
     always reach (the run dir's ancestors may be private to root, e.g. pytest's 0700 tmp root).
@@ -272,8 +308,8 @@ def _postmaster_alive(pgdata: Path) -> bool:
 def _collect_orphan_clusters(base: Path) -> None:
     """Delete relocated clusters whose run data_dir no longer exists and whose server is not running."""
     for home in base.iterdir():
-        if not home.is_dir():
-            continue
+        if not home.is_dir() or home.name.startswith("pginstall-"):
+            continue  # a shared copy of the Postgres install, not a cluster
         owner = home.with_suffix(".owner")
         with contextlib.suppress(OSError):
             if owner.exists() and Path(owner.read_text()).exists():
@@ -311,8 +347,8 @@ class EmbeddedPostgres(_ChildProcess):
         """Init the cluster if needed, start it, create `database`; return its SQLAlchemy URL."""
         if self.url is not None:
             return self.url
-        bin_dir = postgres_bin_dir()
         user = _postgres_os_user()
+        bin_dir = _postgres_bin_dir_for(user)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         pgdata = self.data_dir / "pgdata"
         if user is not None:
