@@ -28,9 +28,10 @@ run: $(STAMP) ## run the quickstart training job (embedded NATS and Postgres, CP
 test: $(STAMP) lint typecheck ## lint, type-check and run every test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: $(STAMP) ## ruff lint and format check
+lint: $(STAMP) ## ruff lint, format check, and the import-linter layer contracts
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP) ## mypy over the runtime and the services
 	$(BIN)/mypy gyre services

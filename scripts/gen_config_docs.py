@@ -31,8 +31,8 @@ OUT = ROOT / "docs" / "configuration.md"
 
 # (YAML section, module, class name or None = the one top-level ConfigModel of the module)
 SECTIONS: tuple[tuple[str, str, str | None], ...] = (
-    ("launcher", "gyre.launcher.config", "LauncherConfig"),
-    ("job", "gyre.job.config", "JobConfig"),
+    ("launcher", "gyre.app.launcher.config", "LauncherConfig"),
+    ("job", "gyre.app.job.config", "JobConfig"),
     ("scheduler", "services.scheduler.config", None),
     ("trajectory", "services.trajectory.config", None),
     ("trainer", "services.trainer.config", None),
@@ -170,8 +170,8 @@ def _table(model: type[BaseModel], prefix: str = "") -> str:
 
 def render() -> str:
     """The whole of docs/configuration.md."""
+    from gyre.app.launcher.config import service_config_model
     from gyre.config import CommonConfig
-    from gyre.launcher.config import service_config_model
 
     parts = [HEADER, "## Top level (every component)", "", _table(CommonConfig), ""]
     for section, module_name, class_name in SECTIONS:

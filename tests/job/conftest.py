@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
+from gyre.app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
 from gyre.v1 import common_pb2, events_pb2
 
 T0 = 1_800_000_000.0

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from gyre.app.job.collector import EventCollector
+from gyre.app.job.eventlog import read_events
 from gyre.bus import Bus, subjects
-from gyre.job.collector import EventCollector
-from gyre.job.eventlog import read_events
 from gyre.v1 import common_pb2, events_pb2
 
 pytestmark = pytest.mark.integration

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from gyre.app.job.config import JobConfig
+from gyre.app.job.run import effective_config, prepare_run_dir
 from gyre.config import ConfigModel, load_common, load_section, load_yaml
 from gyre.errors import ConfigError
-from gyre.job.config import JobConfig
-from gyre.job.run import effective_config, prepare_run_dir
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
-SECTION_MODULES = {"job": "gyre.job.config", "launcher": "gyre.launcher.config"}
+SECTION_MODULES = {"job": "gyre.app.job.config", "launcher": "gyre.app.launcher.config"}
 
 
 def config_class(section: str) -> type[ConfigModel]:

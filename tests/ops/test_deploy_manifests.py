@@ -44,7 +44,7 @@ def test_compose_runs_nats_with_jetstream_and_postgres_with_pg_isready() -> None
 @pytest.mark.parametrize("name", SERVICES)
 def test_every_compose_service_has_a_grpc_healthcheck_and_waits_for_healthy_dependencies(name: str) -> None:
     service = _compose()["services"][name]
-    assert "gyre.launcher.healthcheck" in service["healthcheck"]["test"]
+    assert "gyre.app.launcher.healthcheck" in service["healthcheck"]["test"]
     assert service["command"][:3] == ["python", "-m", f"services.{name}"]
     depends = service["depends_on"]
     assert {"nats", "postgres"} <= set(depends)
@@ -161,7 +161,7 @@ def _k8s_env(name: str) -> dict[str, str]:
 @pytest.mark.parametrize("name", SERVICES)
 @pytest.mark.parametrize("where", ["compose", "k8s"])
 def test_services_find_each_other_through_their_own_address_fields(name: str, where: str) -> None:
-    from gyre.launcher.config import service_config_model
+    from gyre.app.launcher.config import service_config_model
 
     model = service_config_model(name)
     if model is None:

@@ -25,7 +25,7 @@ import psutil
 import pytest
 import yaml
 
-from gyre.launcher.config import SERVICE_ORDER
+from gyre.app.launcher.config import SERVICE_ORDER
 
 pytestmark = pytest.mark.integration
 
@@ -178,7 +178,7 @@ def test_gyre_up_check_starts_every_service_verifies_health_and_metrics_and_leav
 def test_a_service_that_dies_while_starting_fails_the_start_with_its_log_and_stops_the_rest(
     tmp_path: Path, nats_url: str, database_url: str
 ) -> None:
-    from gyre.launcher import Deployment, DeploymentError
+    from gyre.app.launcher import Deployment, DeploymentError
 
     marker = uuid.uuid4().hex
     started = LIGHT  # the first one starts and must be stopped again; the last one fails
@@ -202,7 +202,7 @@ def test_a_service_that_dies_while_starting_fails_the_start_with_its_log_and_sto
 def test_a_service_that_dies_after_start_is_reported_with_its_log(
     tmp_path: Path, nats_url: str, database_url: str
 ) -> None:
-    from gyre.launcher import Deployment, DeploymentError
+    from gyre.app.launcher import Deployment, DeploymentError
 
     marker = uuid.uuid4().hex
     first = LIGHT[0]

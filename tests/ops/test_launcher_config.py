@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gyre.app.launcher.config import LauncherConfig, address_overrides, service_config_model
+from gyre.app.launcher.deployment import Deployment
 from gyre.errors import ConfigError
-from gyre.launcher.config import LauncherConfig, address_overrides, service_config_model
-from gyre.launcher.deployment import Deployment
 
 
 def test_services_start_in_dependency_order_whatever_order_the_config_names_them() -> None:

@@ -1,7 +1,7 @@
 """`gyre up [--config FILE] [--check] [--service NAME ...]`: run a deployment on this machine.
 
 Starts NATS and Postgres (embedded unless GYRE_NATS_URL / GYRE_DATABASE_URL or the config name
-external ones) and every service as its own process (gyre.launcher.deployment), prints the
+external ones) and every service as its own process (gyre.app.launcher.deployment), prints the
 endpoints and serves until Ctrl-C / SIGTERM, then stops everything in reverse order. With
 --check it verifies that every service is healthy and serves /metrics, stops, and exits 0.
 Exit status: 0 stopped cleanly, 1 a service failed (its log tail is printed), 2 bad usage/config,
@@ -44,7 +44,7 @@ def endpoints_table(endpoints: object) -> object:
     """A rich Table of a deployment's endpoints."""
     from rich.table import Table
 
-    from gyre.launcher.endpoints import Endpoints
+    from gyre.app.launcher.endpoints import Endpoints
 
     assert isinstance(endpoints, Endpoints)
     table = Table(title=f"gyre run {endpoints.run_id} — {endpoints.run_dir}")
@@ -88,8 +88,8 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
 
-    from gyre.launcher.deployment import Deployment, DeploymentError
-    from gyre.launcher.healthcheck import check
+    from gyre.app.launcher.deployment import Deployment, DeploymentError
+    from gyre.app.launcher.healthcheck import check
 
     console = Console(stderr=True)
     stop_requested = threading.Event()

@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from gyre.job.report import SUMMARY_NAME, build_report
+from gyre.app.job.report import SUMMARY_NAME, build_report
 
 
 def load_summary(run_dir: Path) -> dict[str, Any]:

@@ -32,9 +32,9 @@ from typing import Any
 
 import yaml
 
+from gyre.app.job.config import JobConfig
 from gyre.config import load_common, load_section, load_yaml
 from gyre.errors import ConfigError, GyreError
-from gyre.job.config import JobConfig
 
 POLICIES = ("colocate", "async", "elastic")
 CONFIG_NAME = "config.yaml"
@@ -108,7 +108,7 @@ def service_wiring(raw: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str,
     the config leaves unset is given that address through `GYRE_<SECTION>__<FIELD>` in the services'
     environment. Returns (service_args, extra_env) for `Deployment`.
     """
-    from gyre.launcher.config import LauncherConfig
+    from gyre.app.launcher.config import LauncherConfig
 
     launcher = load_section(LauncherConfig, "launcher", data=raw)
     ports = {name: _free_port(launcher.host) for name in launcher.services}
@@ -225,9 +225,9 @@ async def stop_producers_and_wait_for_ingest(
 
 async def drive(deployment: Any, common: Any, job: JobConfig, run_dir: Path, *, started: float) -> JobOutcome:
     """Record events, keep executions live and wait for the last step (see the module docstring)."""
+    from gyre.app.job.collector import EventCollector
+    from gyre.app.job.progress import LiveProgress, RunTracker
     from gyre.bus import Bus
-    from gyre.job.collector import EventCollector
-    from gyre.job.progress import LiveProgress, RunTracker
 
     endpoints = deployment.endpoints
     bus = await Bus.connect(endpoints.nats_url, name="job")
@@ -295,8 +295,8 @@ def run_job(
     config_path: Path, *, policy: str | None = None, steps: int | None = None, run_dir: Path | None = None
 ) -> int:
     """Run one job end to end (see the module docstring); return the exit status."""
-    from gyre.job.report import build_report, headline
-    from gyre.launcher.deployment import Deployment, DeploymentError
+    from gyre.app.job.report import build_report, headline
+    from gyre.app.launcher.deployment import Deployment, DeploymentError
 
     raw = effective_config(config_path, policy=policy, steps=steps, run_dir=run_dir)
     common = load_common(data=raw)

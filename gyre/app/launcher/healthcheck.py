@@ -1,4 +1,4 @@
-"""A gRPC health probe usable from a shell: `python -m gyre.launcher.healthcheck HOST:PORT [SERVICE]`.
+"""A gRPC health probe usable from a shell: `python -m gyre.app.launcher.healthcheck HOST:PORT [SERVICE]`.
 
 Exit status 0 when the server answers the standard `grpc.health.v1.Health/Check` with SERVING,
 1 otherwise (not serving, unreachable, timeout). Compose health checks and humans use it; Kubernetes
@@ -31,7 +31,7 @@ def check(address: str, service: str = "", timeout_s: float = 3.0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gyre.launcher.healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gyre.app.launcher.healthcheck", description=__doc__)
     parser.add_argument("address", help="HOST:PORT of the gRPC server")
     parser.add_argument("service", nargs="?", default="", help="service name; empty = the whole server")
     parser.add_argument("--timeout-s", type=float, default=3.0, help="deadline of the Check call, seconds")

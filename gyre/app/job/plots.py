@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from gyre.job.analysis import ROLES, RunAnalysis
+from gyre.app.job.analysis import ROLES, RunAnalysis
 
 ROLE_COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "switching": "#C44E52", "idle": "#BBBBBB"}
 

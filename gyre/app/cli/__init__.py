@@ -12,15 +12,21 @@ import sys
 
 # command -> (module, one-line help). Nested commands use "group sub" keys.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("gyre.launcher.cli", "start NATS, Postgres and every service; --check verifies health and stops"),
-    "status": ("gyre.launcher.status", "show the health of every service of a running deployment"),
-    "events": ("gyre.analytics.cli", "events tail [SUBJECT] | events export --format parquet"),
+    "up": (
+        "gyre.app.launcher.cli",
+        "start NATS, Postgres and every service; --check verifies health and stops",
+    ),
+    "status": ("gyre.app.launcher.status", "show the health of every service of a running deployment"),
+    "events": ("gyre.app.analytics.cli", "events tail [SUBJECT] | events export --format parquet"),
     "db": ("gyre.store.cli", "db upgrade: apply every service's Alembic migrations"),
     "run": (
-        "gyre.job.run",
+        "gyre.app.job.run",
         "run a training job from a YAML config (the quickstart: examples/quickstart.yaml)",
     ),
-    "compare": ("gyre.job.compare", "compare run directories side by side, with the simulator's prediction"),
+    "compare": (
+        "gyre.app.job.compare",
+        "compare run directories side by side, with the simulator's prediction",
+    ),
     "sim": ("services.scheduler.sim.cli", "discrete-event cluster simulator of the scheduling policies"),
     "trajectory": (
         "services.trajectory.cli",

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gyre.analytics import tap
+from gyre.app.analytics import tap
+from gyre.app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
 from gyre.bus import Bus, subjects
-from gyre.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
 
-log = logging.getLogger("gyre.job.collector")
+log = logging.getLogger("gyre.app.job.collector")
 
 Record = dict[str, Any]
 

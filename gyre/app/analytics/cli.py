@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from gyre.errors import ConfigError, GyreError
 
 if TYPE_CHECKING:
-    from gyre.analytics.tap import EventRecord
+    from gyre.app.analytics.tap import EventRecord
 
 DEFAULT_FILTER = "gyre.>"
 
@@ -30,8 +30,8 @@ def resolve_nats_url(nats_url: str | None, config: str | None, run_dir: str | No
         return nats_url
     if os.environ.get("GYRE_NATS_URL"):
         return os.environ["GYRE_NATS_URL"]
+    from gyre.app.launcher.endpoints import Endpoints
     from gyre.config import load_common
-    from gyre.launcher.endpoints import Endpoints
 
     common = load_common(config)
     if common.nats_url:
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _format(record: EventRecord, as_json: bool) -> str:
-    from gyre.analytics.flatten import flatten, one_line
+    from gyre.app.analytics.flatten import flatten, one_line
 
     if as_json:
         return json.dumps(record.row(), default=str)
@@ -85,7 +85,7 @@ def _format(record: EventRecord, as_json: bool) -> str:
 
 
 async def _tail(args: argparse.Namespace, url: str) -> int:
-    from gyre.analytics.tap import tail
+    from gyre.app.analytics.tap import tail
     from gyre.bus import Bus
 
     bus = await Bus.connect(url, name="analytics-tail")
@@ -107,8 +107,8 @@ async def _tail(args: argparse.Namespace, url: str) -> int:
 
 
 async def _export(args: argparse.Namespace, url: str) -> int:
-    from gyre.analytics.export import to_table, write
-    from gyre.analytics.tap import read_all
+    from gyre.app.analytics.export import to_table, write
+    from gyre.app.analytics.tap import read_all
     from gyre.bus import Bus
 
     bus = await Bus.connect(url, name="analytics-export")

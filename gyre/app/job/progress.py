@@ -18,7 +18,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gyre.job.analysis import ROLE_NAMES, execution_score
+from gyre.app.job.analysis import ROLE_NAMES, execution_score
 
 Record = dict[str, Any]
 

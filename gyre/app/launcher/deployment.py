@@ -38,12 +38,12 @@ from typing import Any, Self
 
 import psutil
 
+from gyre.app.launcher.config import LauncherConfig, address_overrides
+from gyre.app.launcher.endpoints import FILENAME, Endpoints, ServiceEndpoint
+from gyre.app.launcher.healthcheck import check
+from gyre.app.launcher.process import ServiceProcess
 from gyre.config import CommonConfig, load_common, load_section, load_yaml
 from gyre.errors import GyreError
-from gyre.launcher.config import LauncherConfig, address_overrides
-from gyre.launcher.endpoints import FILENAME, Endpoints, ServiceEndpoint
-from gyre.launcher.healthcheck import check
-from gyre.launcher.process import ServiceProcess
 
 
 class DeploymentError(GyreError):
