@@ -40,7 +40,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, leases: _Optional[_Iterable[_Union[_common_pb2.Lease, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("live_executions", "queued_generations", "running_generations", "waiting_on_environment", "trainer_backlog_batches", "trainer_step_s", "weight_version", "engine_capacity")
+    __slots__ = ("live_executions", "queued_generations", "running_generations", "waiting_on_environment", "trainer_backlog_batches", "trainer_step_s", "weight_version", "engine_capacity", "trainer_backlog_groups", "trainer_step_in_progress", "trainer_remaining_work_device_s", "trainer_dp_size")
     LIVE_EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,10 @@ class WorkerLoad(_message.Message):
     TRAINER_STEP_S_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_BACKLOG_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_STEP_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_REMAINING_WORK_DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     live_executions: int
     queued_generations: int
     running_generations: int
@@ -57,7 +61,11 @@ class WorkerLoad(_message.Message):
     trainer_step_s: float
     weight_version: int
     engine_capacity: int
-    def __init__(self, live_executions: _Optional[int] = ..., queued_generations: _Optional[int] = ..., running_generations: _Optional[int] = ..., waiting_on_environment: _Optional[int] = ..., trainer_backlog_batches: _Optional[int] = ..., trainer_step_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., engine_capacity: _Optional[int] = ...) -> None: ...
+    trainer_backlog_groups: int
+    trainer_step_in_progress: bool
+    trainer_remaining_work_device_s: float
+    trainer_dp_size: int
+    def __init__(self, live_executions: _Optional[int] = ..., queued_generations: _Optional[int] = ..., running_generations: _Optional[int] = ..., waiting_on_environment: _Optional[int] = ..., trainer_backlog_batches: _Optional[int] = ..., trainer_step_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., engine_capacity: _Optional[int] = ..., trainer_backlog_groups: _Optional[int] = ..., trainer_step_in_progress: _Optional[bool] = ..., trainer_remaining_work_device_s: _Optional[float] = ..., trainer_dp_size: _Optional[int] = ...) -> None: ...
 
 class ReportLoadRequest(_message.Message):
     __slots__ = ("worker_id", "load")
