@@ -14,8 +14,11 @@
    seconds), the gRPC server stops with a grace period, remaining tasks are cancelled, the bus is
    drained and closed, and the process exits 0. A second signal skips the grace periods.
 
-A spawned task or a bus consumer that dies with an exception takes the service down the same way,
-but the exit code is 1 and the error is logged: a service never limps on without a loop.
+A spawned task, a bus consumer, or a task handed to ``supervise`` (an engine loop a service
+creates itself) that dies with an exception takes the service down the same way, but the exit
+code is 1 and the error is logged: health turns NOT_SERVING at once, so a probe never sees a
+zombie that says SERVING, and the supervisor (``gyre up``/``gyre run``, compose, Kubernetes)
+restarts the process. A service never limps on without a loop.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import abc
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import enum
 import logging
 import signal
@@ -60,6 +64,38 @@ class State(enum.IntEnum):
     SERVING = 1  # gRPC up, health SERVING
     DRAINING = 2  # signal or failure: health NOT_SERVING, Service.stop() running
     STOPPED = 3
+
+
+# The Runtime of the service this process runs (set by _serve before Service.start): `supervise`
+# finds it from any code of the service, e.g. an engine that creates its own loop task.
+_CURRENT: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("gyre_runtime", default=None)
+_PROCESS_RUNTIME: list[Runtime] = []  # the same, for tasks whose context was copied before it was set
+
+
+def current_runtime() -> Runtime | None:
+    """The Runtime of the running service process, None outside `run_service` (in-process tests)."""
+    return _CURRENT.get() or (_PROCESS_RUNTIME[-1] if _PROCESS_RUNTIME else None)
+
+
+def supervise(task: asyncio.Task[Any], what: str) -> asyncio.Task[Any]:
+    """Make `task` (a loop the service cannot run without) fatal: if it ends with an exception, the
+    error is logged and counted and the running service goes NOT_SERVING and exits 1 (like a task
+    of `Runtime.spawn`). A task that returns or is cancelled is not a failure. Outside a service
+    process (a test driving an engine in-process) the failure is only logged. Returns `task`."""
+
+    def _done(t: asyncio.Task[Any]) -> None:
+        if t.cancelled() or t.exception() is None:
+            return
+        exc = t.exception()
+        assert exc is not None
+        rt = current_runtime()
+        log.error("%s died%s", what, "; shutting the service down" if rt else "", exc_info=exc)
+        if rt is not None:
+            rt.count_error(f"task:{what}", exc)
+            rt.fail(exc)
+
+    task.add_done_callback(_done)
+    return task
 
 
 def count_error(service: str, where: str, exc: BaseException) -> None:
@@ -119,9 +155,18 @@ class Runtime:
         self.fail(exc)
 
     def fail(self, exc: BaseException) -> None:
-        """Shut the service down with exit code 1 because of `exc` (first failure wins)."""
+        """Shut the service down with exit code 1 because of `exc` (first failure wins). Health goes
+        NOT_SERVING at once, before the drain starts, so no probe sees a dying service as SERVING."""
         if self._failure is not None and not self._failure.done():
             self._failure.set_result(exc)
+            self.state = State.DRAINING
+            STATE.labels(self.name).set(State.DRAINING)
+            if self.health is not None:
+                task = asyncio.get_running_loop().create_task(
+                    rpc.set_serving(self.health, False, ("", self.name)), name="not-serving"
+                )
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
 
 def _parse_args(name: str, argv: list[str] | None) -> argparse.Namespace:
@@ -215,6 +260,8 @@ async def _serve(
     rt = Runtime(common=common, bus=bus, engine=engine, server=server, port=port, name=name, health=health)
     rt._failure = loop.create_future()
     bus.on_consumer_failure = rt.fail
+    _CURRENT.set(rt)
+    _PROCESS_RUNTIME.append(rt)
     service: Service | None = None
     exit_code = 0
     try:
@@ -253,13 +300,17 @@ async def _serve(
         for task in list(rt._tasks):
             task.cancel()
         await asyncio.gather(*rt._tasks, return_exceptions=True)
-        await bus.close()
+        try:
+            await bus.close()
+        except Exception as exc:  # a lost bus must not stop the exit: the code below still runs
+            log.warning("closing the NATS connection failed: %r", exc)
         engine.dispose()
         if metrics_httpd is not None:
             metrics_httpd.shutdown()
             metrics_httpd.server_close()
         rt.state = State.STOPPED
         STATE.labels(name).set(State.STOPPED)
+        _PROCESS_RUNTIME.remove(rt)
         if rt._failure is not None and rt._failure.done() and not rt._failure.cancelled():
             exit_code = 1
         log.info("%s stopped (exit %d)", name, exit_code)

@@ -11,6 +11,12 @@ loop (agents, gRPC, HTTP) stays responsive::
 
 Waits on: new requests when idle. Back-pressure: at most `max_batch` sequences decode at once;
 the rest wait in the queue (counted in num_active). Works on CPU and CUDA (`torch_device`).
+
+Failure: a prompt that is not a list of int token ids inside the vocabulary is refused in
+`generate` (InvalidArgument) before it reaches the loop. If the loop still raises, every request
+queued or running fails with Unavailable naming the error, later requests fail the same way at
+once, the engine is STOPPED, and the loop task is handed to `gyre.service.supervise`: the service
+goes NOT_SERVING and exits 1 so its supervisor restarts it (never a zombie that says SERVING).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 from gyre.errors import InvalidArgument, Unavailable
 from gyre.model import ModelConfig
+from gyre.service import supervise
 from gyre.v1 import common_pb2
 
 from .base import Completion, Engine, EngineState, GenerationRequest
@@ -73,6 +80,7 @@ class TorchEngine(Engine):
         self._task: asyncio.Task[None] | None = None
         self._drained = asyncio.Event()
         self._tokens_generated = 0
+        self._failure: BaseException | None = None  # why the loop died, once it did
 
     # -- Engine interface --------------------------------------------------------------------
     @property
@@ -100,17 +108,32 @@ class TorchEngine(Engine):
         self._model.eval()
         if self._initial is not None and self._initial.version > 0:
             await asyncio.to_thread(self._load, self._initial)
-        self._task = asyncio.create_task(self._loop(), name=f"engine-{self.engine_id}")
+        self._task = supervise(
+            asyncio.create_task(self._loop(), name=f"engine-{self.engine_id}"), f"engine-{self.engine_id}"
+        )
+
+    def _check_prompt(self, request: GenerationRequest) -> None:
+        """InvalidArgument unless the prompt is a list of int token ids in [0, vocab_size)."""
+        ids = request.prompt_ids
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+        if not isinstance(ids, list) or bad:
+            raise InvalidArgument(
+                f"request {request.request_id!r}: prompt must be a list of integer token ids, "
+                f"got {type(bad[0]).__name__ if bad else type(ids).__name__} {bad[0] if bad else ''!r}"
+            )
+        if max(ids) >= self.model_config.vocab_size or min(ids) < 0:
+            raise InvalidArgument(
+                f"request {request.request_id!r}: token id outside [0, {self.model_config.vocab_size})"
+            )
 
     async def generate(self, request: GenerationRequest) -> Completion:
+        if self._failure is not None:
+            raise Unavailable(f"engine {self.engine_id} failed: {self._failure!r}")
         if self._state is not EngineState.SERVING or self._task is None:
             return Completion(
                 finish_reason="cut", engine_ids=[self.engine_id]
             )  # not admitted: resume elsewhere
-        if max(request.prompt_ids) >= self.model_config.vocab_size or min(request.prompt_ids) < 0:
-            raise InvalidArgument(
-                f"request {request.request_id!r}: token id outside [0, {self.model_config.vocab_size})"
-            )
+        self._check_prompt(request)
         if len(request.prompt_ids) + request.sampling.max_tokens > self.model_config.max_position_embeddings:
             raise InvalidArgument(
                 f"request {request.request_id!r}: prompt ({len(request.prompt_ids)}) + max_tokens "
@@ -146,7 +169,7 @@ class TorchEngine(Engine):
 
     async def close(self) -> None:
         await self.drain()
-        if self._task is not None:
+        if self._task is not None and self._failure is None:
             await self._task
         self._model = None
 
@@ -177,9 +200,18 @@ class TorchEngine(Engine):
                     await asyncio.to_thread(self._decode, list(self._running))
                     self._answer_finished()
         except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                self._failure = exc
+                log.error("engine %s loop failed: %r", self.engine_id, exc)
+            self._state = EngineState.STOPPED
             for seq in self._queue + self._running:
                 if not seq.future.done():
                     seq.future.set_exception(Unavailable(f"engine {self.engine_id} failed: {exc!r}"))
+            self._queue, self._running = [], []
+            for _weights, done in self._pending_weights:
+                if not done.done():
+                    done.set_exception(Unavailable(f"engine {self.engine_id} failed: {exc!r}"))
+            self._pending_weights = []
             raise
         finally:
             self._drained.set()
