@@ -34,7 +34,12 @@ class Ending(StrEnum):
 
 
 @dataclass(slots=True)
-class Progress:
+class ProgressSignals:
+    """An execution's progress as the trajectory service stores it (from a StepEvent or ExecutionEvent).
+
+    Named apart from the rollout's ``environments.base.Progress``, which an environment reports.
+    """
+
     milestones_reached: int = 0
     milestones_total: int = 0
     tests_passed_fraction: float | None = None
@@ -48,7 +53,7 @@ class Outcome:
     execution_id: str
     ending: Ending
     reward: float | None
-    progress: Progress
+    progress: ProgressSignals
 
 
 @dataclass(slots=True)
@@ -78,7 +83,7 @@ def check_value(value: float, *, what: str, execution_id: str, lo: float, hi: fl
     return v
 
 
-def validate_progress(progress: Progress, execution_id: str) -> None:
+def validate_progress(progress: ProgressSignals, execution_id: str) -> None:
     """Reject progress signals that cannot be scored (NaN, fraction outside [0, 1], reached > total)."""
     if progress.tests_passed_fraction is not None:
         check_value(
