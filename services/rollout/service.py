@@ -14,17 +14,15 @@ any background loop that dies takes the service down (Runtime.spawn).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
-
-import grpc
 
 from gyre import rpc
 from gyre.bus import subjects
 from gyre.config import CommonConfig
 from gyre.errors import InvalidArgument
+from gyre.lease_client import LeaseClient
 from gyre.service import Runtime, Service
 from gyre.v1 import common_pb2, events_pb2, rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -33,7 +31,7 @@ from .config import RolloutConfig
 from .engines.base import Engine, GenerationRequest, Sampling
 from .environments.base import TaskFamily
 from .executions import ExecutionManager
-from .leases import LeaseFollower
+from .leases import EngineDevices
 from .router import Router
 from .steps import BusStepSink
 from .weights import WeightSwapper
@@ -204,68 +202,44 @@ class RolloutService(Service):
         self.state = common_pb2.SERVICE_STATE_SERVING
 
     async def _join_scheduler(self, rt: Runtime) -> None:
+        """Become a worker of the pool: engines start and stop as the scheduler's leases say."""
         cfg = self.cfg
         assert cfg.scheduler_address is not None
         self.channel = rpc.channel(cfg.scheduler_address)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
-        self.leases = LeaseFollower(
-            cfg.worker_id, self.stub, self.start_engine, self.stop_engine, lambda d: d in self.router.engines
-        )
         devices = [
             common_pb2.Device(device_id=d, node=cfg.node, index=i, kind=cfg.device_kind)
             for i, d in enumerate(cfg.device_ids())
         ]
-        reply = await self.stub.RegisterWorker(
-            scheduler_pb2.RegisterWorkerRequest(
-                worker_id=cfg.worker_id, service="rollout", devices=devices, address=f"127.0.0.1:{rt.port}"
-            )
+        engines = EngineDevices(cfg.device_ids(), self.router.engines, self.start_engine, self.stop_engine)
+        self.leases = LeaseClient(
+            cfg.worker_id,
+            "rollout",
+            scheduler_pb2_grpc.SchedulerStub(self.channel),
+            engines,
+            self._load,
+            devices=devices,
+            address=f"127.0.0.1:{rt.port}",
         )
-        for lease in reply.leases:
-            await self.leases.apply(lease)
-
-        async def on_lease_events(events: list[events_pb2.LeaseEvent]) -> None:
-            for ev in events:
-                await self.leases.apply(ev.lease)
-
+        await self.leases.register()
         await rt.bus.consume(
             subjects.leases(self.common.run_id, "*"),
             events_pb2.LeaseEvent,
-            on_lease_events,
+            self.leases.on_events,
             durable=f"rollout-{cfg.worker_id}-leases",
         )
-        rt.spawn(self._heartbeat(reply.heartbeat_interval_s or 2.0), "heartbeat")
-        rt.spawn(self._report_load(), "report-load")
+        rt.spawn(self.leases.heartbeat_forever(), "heartbeat")
+        rt.spawn(self.leases.report_load_forever(cfg.report_load_interval_s), "report-load")
 
-    async def _heartbeat(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                reply = await self.stub.Heartbeat(
-                    scheduler_pb2.HeartbeatRequest(worker_id=self.cfg.worker_id)
-                )
-            except grpc.aio.AioRpcError as exc:  # scheduler briefly away: keep serving, try again
-                self.rt.count_error("heartbeat", exc)
-                continue
-            for lease in reply.leases:
-                await self.leases.apply(lease)
-
-    async def _report_load(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.report_load_interval_s)
-            engines = list(self.router.engines.values())
-            load = scheduler_pb2.WorkerLoad(
-                live_executions=len(self.executions.live),
-                queued_generations=max(0, self.router.in_flight - sum(e.num_active for e in engines)),
-                running_generations=sum(e.num_active for e in engines),
-                weight_version=min((e.weight_version for e in engines), default=0),
-                engine_capacity=self.cfg.engine_max_batch,
-            )
-            try:
-                await self.stub.ReportLoad(
-                    scheduler_pb2.ReportLoadRequest(worker_id=self.cfg.worker_id, load=load)
-                )
-            except grpc.aio.AioRpcError as exc:
-                self.rt.count_error("report_load", exc)
+    def _load(self) -> scheduler_pb2.WorkerLoad:
+        engines = list(self.router.engines.values())
+        running = sum(e.num_active for e in engines)
+        return scheduler_pb2.WorkerLoad(
+            live_executions=len(self.executions.live),
+            queued_generations=max(0, self.router.in_flight - running),
+            running_generations=running,
+            weight_version=min((e.weight_version for e in engines), default=0),
+            engine_capacity=self.cfg.engine_max_batch,
+        )
 
     def status(self) -> rollout_pb2.GetStatusResponse:
         c = self.executions.counters

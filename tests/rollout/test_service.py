@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from gyre.bus import Bus, subjects
+from gyre.lease_client import LeaseAction, decide
 from gyre.v1 import common_pb2, events_pb2, rollout_pb2, rollout_pb2_grpc
-from services.rollout.leases import LeaseAction, decide
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,17 +82,24 @@ async def test_service_runs_executions_answers_grpc_and_stops_cleanly(
 
 def test_lease_decisions_follow_the_handoff_protocol() -> None:
     S = common_pb2
-    me = "rollout-0"
-    draining = S.Lease(
-        device_id="d", holder=me, state=S.LEASE_STATE_DRAINING, role=S.DEVICE_ROLE_ROLLOUT, epoch=3
+    me, role = "rollout-0", S.DEVICE_ROLE_ROLLOUT
+    draining = S.Lease(device_id="d", holder=me, state=S.LEASE_STATE_DRAINING, role=role, epoch=3)
+    granted = S.Lease(device_id="d", target_holder=me, target_role=role, state=S.LEASE_STATE_GRANTED, epoch=3)
+    granted_train = S.Lease(
+        device_id="d", target_holder=me, target_role=S.DEVICE_ROLE_TRAIN, state=S.LEASE_STATE_GRANTED
     )
-    granted = S.Lease(
-        device_id="d", target_holder=me, target_role=S.DEVICE_ROLE_ROLLOUT, state=S.LEASE_STATE_GRANTED
+    active = S.Lease(device_id="d", holder=me, role=role, state=S.LEASE_STATE_ACTIVE, epoch=3)
+    others = S.Lease(
+        device_id="d", holder="trainer-0", role=S.DEVICE_ROLE_TRAIN, state=S.LEASE_STATE_ACTIVE, epoch=4
     )
-    active = S.Lease(device_id="d", holder=me, role=S.DEVICE_ROLE_ROLLOUT, state=S.LEASE_STATE_ACTIVE)
-    others = S.Lease(device_id="d", holder="trainer-0", role=S.DEVICE_ROLE_TRAIN, state=S.LEASE_STATE_ACTIVE)
-    assert decide(draining, me, serving=True) is LeaseAction.DRAIN_AND_RELEASE
-    assert decide(granted, me, serving=False) is LeaseAction.ACQUIRE_AND_SERVE
-    assert decide(active, me, serving=False) is LeaseAction.SERVE
-    assert decide(active, me, serving=True) is LeaseAction.NONE
-    assert decide(others, me, serving=False) is LeaseAction.NONE
+    released = S.Lease(device_id="d", target_holder=me, state=S.LEASE_STATE_RELEASED, epoch=3)
+    assert decide(draining, me, role, using_since=1) is LeaseAction.RELEASE
+    assert decide(granted, me, role, using_since=None) is LeaseAction.ACQUIRE
+    assert decide(granted_train, me, role, using_since=None) is LeaseAction.NONE
+    assert decide(active, me, role, using_since=None) is LeaseAction.START
+    assert decide(active, me, role, using_since=3) is LeaseAction.NONE
+    assert decide(others, me, role, using_since=None) is LeaseAction.NONE
+    # in use, and a newer epoch gave the device to someone else: no longer ours
+    assert decide(others, me, role, using_since=3) is LeaseAction.FENCED
+    # an older step of the handoff that gave it to us (same epoch), redelivered: nothing to do
+    assert decide(released, me, role, using_since=3) is LeaseAction.NONE
