@@ -49,6 +49,14 @@ class RolloutConfig(ConfigModel):
     init_seed: int = Field(
         0, ge=0, description="Seed of the initial (version 0) weights, shared with the trainer."
     )
+    init_weights: str | None = Field(
+        None,
+        description=(
+            "Version-0 weights of the torch engines instead of the seeded random init: an HF Llama/Qwen2 "
+            "checkpoint directory (imported by gyre/model/hf.py; `model` must match it) or a Gyre "
+            "safetensors file. Set it equal to trainer.init_weights."
+        ),
+    )
 
     environment: Literal["longhorizon", "workspace"] = Field(
         "longhorizon", description="Task family of the executions."

@@ -136,6 +136,7 @@ class RolloutService(Service):
             max_batch=self.cfg.engine_max_batch,
             init_seed=self.cfg.init_seed,
             initial_weights=self.swapper.latest,
+            init_weights=self.cfg.init_weights,
         )
 
     async def start_engine(self, device_id: str) -> None:

@@ -16,7 +16,9 @@ class TrainerConfig(ConfigModel):
     )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture of the trained model.")
     init_weights: str | None = Field(
-        default=None, description="safetensors file to start from (e.g. an HF import); None = random init."
+        default=None,
+        description="Weights to start from: an HF Llama/Qwen2 checkpoint directory (imported by gyre/model/hf.py; "
+        "`model` must match it) or a Gyre safetensors file; None = random init.",
     )
     lr: float = Field(default=1e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")

@@ -1,204 +1,125 @@
-"""Hugging Face interop: import a Llama / Qwen2-style checkpoint into our Megatron model and export back.
+"""Hugging Face checkpoints in and out of a Gyre run (the mapping itself is `gyre.model.hf`).
 
-A checkpoint directory holds `config.json` and `*.safetensors` (what `save_pretrained` writes and
-vLLM serves). Mapping (per layer i, Megatron names on the left):
+    python -m services.trainer.hf model-config CKPT_DIR
+        print the `model:` section (YAML) that matches an HF Llama/Qwen2 checkpoint; put it under
+        both `trainer.model` and `rollout.model` and set `trainer.init_weights` and
+        `rollout.init_weights` to CKPT_DIR (examples/hf_model.yaml)
+    python -m services.trainer.hf tiny OUT_DIR
+        write a tiny random Llama checkpoint (vocab 512 = Gyre's byte tokenizer, 2 layers, hidden 64)
+        with `transformers`, no download: what examples/hf_model.yaml expects
+    python -m services.trainer.hf export --weights RUN_DIR/weights/v000002.safetensors \\
+            --like CKPT_DIR --out OUT_DIR
+        write a trained weight version as an HF checkpoint directory (config.json +
+        model.safetensors) that `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` and
+        `vllm serve OUT_DIR` load
 
-    embedding.word_embeddings              <- model.embed_tokens
-    decoder.layers.i.input_layernorm       <- model.layers.i.input_layernorm
-    ...self_attention.linear_qkv (+bias)   <- q_proj, k_proj, v_proj interleaved per key/value group:
-                                              [q heads of group g, k_g, v_g] for g = 0..groups-1
-    ...self_attention.linear_proj          <- o_proj
-    decoder.layers.i.pre_mlp_layernorm     <- post_attention_layernorm
-    ...mlp.linear_fc1                      <- cat(gate_proj, up_proj)   (SwiGLU: silu(first half) * second)
-    ...mlp.linear_fc2                      <- down_proj
-    decoder.final_layernorm                <- model.norm
-    output_layer                           <- lm_head (absent when tie_word_embeddings)
-
-Only RoPE without scaling ("default" rope type), RMSNorm, SwiGLU and head_dim = hidden / heads are
-supported; anything else is refused with a clear error rather than imported wrongly.
+The mapping lives in the runtime (`gyre.model.hf`) because the rollout torch engine loads the same
+checkpoint as version 0; this module keeps the trainer-side names and the command line.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import sys
 from pathlib import Path
-from typing import Any
 
 import torch
+import yaml
 
-from gyre.errors import InvalidArgument
-from gyre.model import ModelConfig, build_model
+from gyre.model.config import ModelConfig
+from gyre.model.hf import (
+    check_matches,
+    export_hf,
+    hf_config_from_model,
+    hf_to_megatron,
+    import_hf,
+    load_initial_weights,
+    megatron_to_hf,
+    model_config_from_hf,
+    read_hf_config,
+)
 
-_SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+__all__ = [
+    "check_matches",
+    "export_hf",
+    "export_weights",
+    "hf_config_from_model",
+    "hf_to_megatron",
+    "import_hf",
+    "load_initial_weights",
+    "megatron_to_hf",
+    "model_config_from_hf",
+    "read_hf_config",
+    "write_tiny_llama",
+]
 
 
-def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Our ModelConfig for an HF config.json mapping (InvalidArgument for what we cannot represent)."""
-    kind = hf.get("model_type")
-    if kind not in _SUPPORTED:
-        raise InvalidArgument(f"model_type {kind!r} is not supported; supported: {sorted(_SUPPORTED)}")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise InvalidArgument(f"rope scaling {rope!r} is not supported (only the default rotary embedding)")
-    heads = hf["num_attention_heads"]
-    if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
-        raise InvalidArgument("head_dim * num_attention_heads must equal hidden_size")
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
-        raise InvalidArgument("only SwiGLU MLPs without bias are supported")
-    attention_bias = bool(hf.get("attention_bias", False))
-    if kind == "llama" and attention_bias:
-        raise InvalidArgument("Llama attention_bias (bias on o_proj too) is not supported")
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        position_embedding="rope",
-        rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        normalization="RMSNorm",
-        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        swiglu=True,
-        add_bias_linear=False,
-        add_qkv_bias=kind == "qwen2" or attention_bias,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+def export_weights(weights: str | Path, model_cfg: ModelConfig, out: str | Path) -> Path:
+    """Write a Gyre weight version (safetensors in Megatron names) as an HF checkpoint directory."""
+    from gyre.model import build_model, load_weights
+
+    model = build_model(model_cfg, device="cpu", dtype=torch.float32)
+    load_weights(model, weights)
+    return export_hf(model, out)
+
+
+def write_tiny_llama(out: str | Path, seed: int = 0) -> Path:
+    """A tiny random Llama checkpoint written by `transformers` (the shape of examples/hf_model.yaml)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
     )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # norms away from 1, so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    return Path(out)
 
 
-def hf_config_from_model(cfg: ModelConfig, model_type: str = "llama") -> dict[str, Any]:
-    """config.json content for our model (Llama unless it has a qkv bias, then Qwen2)."""
-    if not (
-        cfg.position_embedding == "rope"
-        and cfg.normalization == "RMSNorm"
-        and cfg.swiglu
-        and not cfg.add_bias_linear
-    ):
-        raise InvalidArgument(
-            "only RoPE + RMSNorm + SwiGLU models without linear biases export to Llama/Qwen2"
-        )
-    if cfg.add_qkv_bias:
-        model_type = "qwen2"
-    return {
-        "architectures": [_SUPPORTED[model_type]],
-        "model_type": model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.ffn_hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.norm_epsilon,
-        "rope_theta": cfg.rotary_base,
-        "rope_parameters": {"rope_theta": cfg.rotary_base, "rope_type": "default"},
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "torch_dtype": "float32",
-    }
-
-
-def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename and fuse an HF state dict into Megatron's parameter names."""
-    g, per = cfg.kv_heads, cfg.num_attention_heads // cfg.kv_heads
-    d = cfg.head_dim
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
-    for i in range(cfg.num_layers):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for suffix in ("weight", "bias") if cfg.add_qkv_bias else ("weight",):
-            q = hf[src + f"self_attn.q_proj.{suffix}"].reshape(g, per * d, -1)
-            k = hf[src + f"self_attn.k_proj.{suffix}"].reshape(g, d, -1)
-            v = hf[src + f"self_attn.v_proj.{suffix}"].reshape(g, d, -1)
-            fused = torch.cat([q, k, v], dim=1).reshape((per + 2) * d * g, -1)
-            out[dst + f"self_attention.linear_qkv.{suffix}"] = (
-                fused.squeeze(-1) if suffix == "bias" else fused
-            )
-        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
-        out[dst + "self_attention.linear_proj.weight"] = hf[src + "self_attn.o_proj.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
-        )
-        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if not cfg.tie_embeddings:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    return out
-
-
-def megatron_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of hf_to_megatron."""
-    g, per = cfg.kv_heads, cfg.num_attention_heads // cfg.kv_heads
-    d = cfg.head_dim
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"]}
-    for i in range(cfg.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for suffix in ("weight", "bias") if cfg.add_qkv_bias else ("weight",):
-            fused = state[src + f"self_attention.linear_qkv.{suffix}"]
-            grouped = fused.reshape(g, (per + 2) * d, -1)
-            q, k, v = grouped.split([per * d, d, d], dim=1)
-            for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                flat = t.reshape(-1, t.shape[-1])
-                out[dst + f"self_attn.{name}.{suffix}"] = flat.squeeze(-1) if suffix == "bias" else flat
-        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
-        out[dst + "self_attn.o_proj.weight"] = state[src + "self_attention.linear_proj.weight"]
-        out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
-        gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2)
-        out[dst + "mlp.gate_proj.weight"] = gate
-        out[dst + "mlp.up_proj.weight"] = up
-        out[dst + "mlp.down_proj.weight"] = state[src + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["output_layer.weight"]
-    return out
-
-
-def import_hf(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
-    """Build our model from an HF checkpoint directory (config.json + *.safetensors)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    if not tensors:
-        raise InvalidArgument(f"no *.safetensors files in {path}")
-    model = build_model(cfg, device=device, dtype=dtype)
-    state = hf_to_megatron(tensors, cfg)
-    own = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
-    if cfg.tie_embeddings:
-        own.pop("output_layer.weight", None)
-    if set(own) != set(state):
-        raise InvalidArgument(f"checkpoint does not fit: missing {sorted(set(own) - set(state))[:5]}")
-    with torch.no_grad():
-        for name, t in state.items():
-            if own[name].shape != t.shape:
-                raise InvalidArgument(
-                    f"{name}: checkpoint shape {tuple(t.shape)}, model {tuple(own[name].shape)}"
-                )
-            own[name].copy_(t)
-    return model
-
-
-def export_hf(model: Any, path: str | Path) -> Path:
-    """Write `model` as an HF checkpoint directory (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
-
-    from gyre.model import model_config_of
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = model_config_of(model)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    hf = megatron_to_hf(state, cfg)
-    save_file(
-        {k: v.contiguous().clone() for k, v in hf.items()},
-        str(path / "model.safetensors"),
-        metadata={"format": "pt"},
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.trainer.hf", description=__doc__.splitlines()[0]
     )
-    (path / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
-    return path
+    sub = parser.add_subparsers(dest="command", required=True)
+    cfg_cmd = sub.add_parser("model-config", help="print the model section matching an HF checkpoint")
+    cfg_cmd.add_argument("checkpoint", type=Path)
+    tiny = sub.add_parser("tiny", help="write a tiny random Llama checkpoint (no download)")
+    tiny.add_argument("out", type=Path)
+    exp = sub.add_parser("export", help="write a trained weight version as an HF checkpoint")
+    exp.add_argument("--weights", type=Path, required=True, help="RUN_DIR/weights/vNNNNNN.safetensors")
+    exp.add_argument("--like", type=Path, required=True, help="the HF checkpoint the run started from")
+    exp.add_argument("--out", type=Path, required=True, help="output directory")
+    args = parser.parse_args(argv)
+
+    from gyre.errors import GyreError
+
+    try:
+        if args.command == "model-config":
+            cfg = read_hf_config(args.checkpoint)
+            print(yaml.safe_dump({"model": cfg.model_dump(exclude={"init_std", "attention_backend"})}))
+        elif args.command == "tiny":
+            print(f"wrote {write_tiny_llama(args.out)}")
+        else:
+            out = export_weights(args.weights, read_hf_config(args.like), args.out)
+            print(f"wrote {out}")
+    except GyreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gyre.model import build_model, load_weights, save_weights
+from gyre.model import build_model, save_weights
 from gyre.v1 import common_pb2
 from services.trainer.batch import PackedBatch
 from services.trainer.checkpoint import CheckpointStore, Journal, TrainState
@@ -55,8 +55,10 @@ def build_replica(
 ) -> tuple[Any, torch.optim.Optimizer, Any | None, LossSettings]:
     """Model, optimizer, reference model (with KL) and loss settings of one replica."""
     model = build_model(cfg.model, device=device, dtype=DTYPES[cfg.dtype], seed=seed)
-    if cfg.init_weights:
-        load_weights(model, cfg.init_weights)
+    if cfg.init_weights:  # an HF checkpoint directory or a Gyre safetensors file
+        from gyre.model.hf import load_initial_weights
+
+        load_initial_weights(model, cfg.init_weights)
     ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     return model, optimizer, ref_model, LossSettings(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)

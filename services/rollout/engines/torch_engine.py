@@ -63,6 +63,7 @@ class TorchEngine(Engine):
         max_batch: int = 32,
         init_seed: int = 0,
         initial_weights: common_pb2.WeightVersion | None = None,
+        init_weights: str | None = None,
     ) -> None:
         self.engine_id, self.device_id = engine_id, device_id
         self.model_config = model_config or ModelConfig.model_validate({})
@@ -70,6 +71,7 @@ class TorchEngine(Engine):
         self.max_batch = max_batch
         self.init_seed = init_seed
         self._initial = initial_weights
+        self.init_weights = init_weights  # version 0: an HF checkpoint dir or safetensors (gyre.model.hf)
         self._model: Any = None
         self._version = 0
         self._state = EngineState.SERVING
@@ -106,6 +108,10 @@ class TorchEngine(Engine):
             build_model, self.model_config, device=self.torch_device, dtype=torch.float32, seed=self.init_seed
         )
         self._model.eval()
+        if self.init_weights:
+            from gyre.model.hf import load_initial_weights
+
+            await asyncio.to_thread(load_initial_weights, self._model, self.init_weights)
         if self._initial is not None and self._initial.version > 0:
             await asyncio.to_thread(self._load, self._initial)
         self._task = supervise(
