@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -133,14 +133,27 @@ def nats_server_binary() -> Path:
 
 
 class EmbeddedNats(_ChildProcess):
-    """nats-server with JetStream (file store under `data_dir`), max_payload 8 MiB, free port."""
+    """nats-server with JetStream (file store under `data_dir`), max_payload 8 MiB, free port;
+    with `passwords`, one user per role of gyre.bus.auth and no anonymous access."""
 
-    def __init__(self, data_dir: str | Path, *, host: str = "127.0.0.1", monitoring: bool = False) -> None:
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        monitoring: bool = False,
+        passwords: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__("nats-server")
         self.data_dir = Path(data_dir).resolve()
         self.host = host
         self.monitoring = monitoring
+        # Role -> password (gyre.bus.auth): set, the server refuses anonymous clients and gives each
+        # role only its subject permissions; None (tests, dev) keeps an open server.
+        self.passwords = dict(passwords) if passwords is not None else None
         self.url: str | None = None
+        # Client port once started; a restart() listens on it again, so clients' URLs stay valid.
+        self.port: int | None = None
         # http://host:port of the monitoring endpoint (/healthz, /jsz) when `monitoring` is on.
         self.monitoring_url: str | None = None
 
@@ -156,13 +169,19 @@ class EmbeddedNats(_ChildProcess):
         conf = self.data_dir / "nats-server.conf"
         lines = [
             f"host: {json.dumps(self.host)}",
-            "port: -1",
+            f"port: {self.port or -1}",
             f"max_payload: {NATS_MAX_PAYLOAD}",
             f"ports_file_dir: {json.dumps(str(ports_dir))}",
             f"jetstream {{ store_dir: {json.dumps(str(self.data_dir / 'jetstream'))} }}",
         ]
         if self.monitoring:
             lines.append(f"http: {json.dumps(self.host + ':-1')}")
+        if self.passwords is not None:
+            from gyre.bus.auth import server_authorization
+
+            lines.append(server_authorization(self.passwords))
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)  # it may hold passwords
         conf.write_text("\n".join(lines) + "\n")
         self._spawn(
             [str(nats_server_binary()), "-c", str(conf)],
@@ -177,6 +196,7 @@ class EmbeddedNats(_ChildProcess):
             ports = self._read_ports(ports_dir)
             if ports is not None and self._accepts_clients(ports["nats"][0]):
                 self.url = ports["nats"][0]
+                self.port = int(self.url.rsplit(":", 1)[1])
                 if self.monitoring:
                     self.monitoring_url = ports["monitoring"][0]
                 log.info("embedded nats-server at %s (data %s)", self.url, self.data_dir)
@@ -210,6 +230,15 @@ class EmbeddedNats(_ChildProcess):
         """SIGTERM (nats-server flushes JetStream and exits), SIGKILL after `timeout_s`."""
         super().stop(timeout_s)
         self.url = None
+
+    def restart(self, timeout_s: float = 30.0) -> str:
+        """Stop (or reap a server that died, e.g. SIGKILLed) and start again on the same port with the
+        same JetStream store: streams, messages and durable consumers survive, and clients that
+        reconnect to the same URL resume. Returns the URL."""
+        port = self.port
+        self.stop()
+        self.port = port
+        return self.start(timeout_s)
 
     def __enter__(self) -> Self:
         self.start()
@@ -342,6 +371,7 @@ class EmbeddedPostgres(_ChildProcess):
         self.pgdata: Path | None = None
         self.port: int | None = None
         self.url: str | None = None
+        self._restart_port: int | None = None  # set by restart(): start on this port, not a free one
 
     def start(self, timeout_s: float = 60.0) -> str:
         """Init the cluster if needed, start it, create `database`; return its SQLAlchemy URL."""
@@ -390,7 +420,7 @@ class EmbeddedPostgres(_ChildProcess):
             settings += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         deadline = time.monotonic() + timeout_s
         for _attempt in range(5):
-            port = free_port()
+            port = self._restart_port or free_port()
             self._spawn(
                 [str(bin_dir / "postgres"), "-D", str(pgdata), "-p", str(port), *settings],
                 log_path,
@@ -402,6 +432,8 @@ class EmbeddedPostgres(_ChildProcess):
                 self.port = port
                 break
             self.stop()  # most likely the port got taken meanwhile: try another
+            if self._restart_port is not None:
+                raise Unavailable(f"postgres did not restart on port {self._restart_port}; see {log_path}")
         else:
             raise Unavailable(f"postgres did not start; see {log_path}")
         self.url = self.create_database(self.database)
@@ -458,6 +490,17 @@ class EmbeddedPostgres(_ChildProcess):
             self.pgdata = None
         self.url = None
         self.port = None
+
+    def restart(self, timeout_s: float = 60.0) -> str:
+        """Stop (or reap a server that died) and start again on the same port with the same cluster,
+        so every client's URL stays valid and pooled connections reconnect. Returns the URL."""
+        port = self.port
+        self.stop()
+        self._restart_port = port
+        try:
+            return self.start(timeout_s)
+        finally:
+            self._restart_port = None
 
     def __enter__(self) -> Self:
         self.start()
