@@ -480,14 +480,17 @@ class Bus:
                 await sub.unsubscribe()
 
     async def close(self, timeout_s: float = 10.0) -> None:
-        """Stop every consumer (finishing their batches), then drain and close the connection."""
+        """Stop every consumer (finishing their batches), then drain and close the connection.
+        Never raises: with the server gone (reset connection, timeout) the connection is just closed,
+        so a caller's own shutdown (writing a report, exiting) always runs on."""
         await asyncio.gather(*(c.stop() for c in list(self._consumers)), return_exceptions=True)
         if self.nc.is_closed:
             return
         start = time.monotonic()
         try:
             await asyncio.wait_for(self.nc.drain(), timeout=timeout_s)
-        except (TimeoutError, nats.errors.Error) as exc:
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
             log.warning("nats drain did not finish after %.1f s (%r); closing", time.monotonic() - start, exc)
         if not self.nc.is_closed:
-            await self.nc.close()
+            with contextlib.suppress(Exception):
+                await self.nc.close()
