@@ -9,14 +9,23 @@ Guarantees (see gyre/bus/subjects.py for each stream):
   ``Unavailable`` if any was not; republish those with the same ``msg_id``.
 * ``Consumer`` (durable pull consumer, explicit ack): a batch is acked after the handler returned,
   nak'ed with a growing delay when it raised (redelivered, so handlers must be idempotent), and a
-  message that does not decode is terminated (never redelivered), logged and counted. While the
-  handler runs, the batch's ack deadline is extended, so a slow handler does not cause redelivery.
+  message that does not decode is terminated (never redelivered), copied to the dead-letter stream
+  with its reason and counted (logging is rate-limited). While the handler runs, the batch's ack
+  deadline is extended, so a slow handler does not cause redelivery.
+* Identity: ``Nats-Msg-Id`` is ``<subject>/<msg_id>/<payload digest>`` (see message_id_headers): a
+  retry of the same event is dropped by the stream, while a message published first under a guessed
+  id cannot make the stream drop the real event. A consumer counts (``num_conflicting_ids``) an event
+  id it sees again with a different payload, and delivers both.
+* ``Bus.dead_letter`` is how a handler refuses an invalid message: the original payload goes to
+  ``gyre.dead.<run>.<service>`` with its reason, a counter per reason code, a rate-limited log line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,13 +35,14 @@ from typing import Any, Generic, TypeVar
 import nats
 import nats.errors
 import nats.js.errors
+from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from prometheus_client import Counter
 
-from gyre.bus import subjects
+from gyre.bus import auth, subjects
 from gyre.errors import InvalidArgument, PayloadTooLarge, Unavailable
 
 log = logging.getLogger("gyre.bus")
@@ -41,13 +51,20 @@ M = TypeVar("M", bound=Message)
 Handler = Callable[[list[M]], Awaitable[None]]
 
 MSG_ID_HEADER = "Nats-Msg-Id"
-# Bytes NATS adds for a header block "NATS/1.0\r\nNats-Msg-Id: <id>\r\n\r\n" besides the id itself.
-_HEADER_OVERHEAD = len("NATS/1.0\r\n") + len(MSG_ID_HEADER) + len(": \r\n") + len("\r\n")
+# The event's own id, `<subject>/<msg_id>`, without the payload digest (duplicate detection).
+EVENT_ID_HEADER = "Gyre-Msg-Id"
+DEAD_REASON_HEADER = "Gyre-Dead-Reason"
+DEAD_SUBJECT_HEADER = "Gyre-Dead-Subject"
+DEAD_CODE_HEADER = "Gyre-Dead-Code"
+# Bytes of "NATS/1.0\r\n" + the final "\r\n" of a header block; each header adds ": " and "\r\n".
+_HEADER_BLOCK_OVERHEAD = len("NATS/1.0\r\n") + len("\r\n")
+# Event ids a consumer remembers to spot a second, different payload under the same id.
+_SEEN_IDS = 65_536
 
 PUBLISHED = Counter("gyre_bus_published_total", "Messages stored by JetStream", ["stream"])
 PUBLISH_DUPLICATES = Counter(
     "gyre_bus_publish_duplicates_total",
-    "Publishes dropped by the stream as duplicates of a msg_id",
+    "Publishes dropped by the stream as duplicates of a msg_id (same event id and same payload)",
     ["stream"],
 )
 CONSUMED = Counter(
@@ -55,6 +72,91 @@ CONSUMED = Counter(
     "Messages a durable consumer finished, by outcome (ack, nak = redelivered later, term = undecodable)",
     ["consumer", "outcome"],
 )
+CONFLICTING_IDS = Counter(
+    "gyre_bus_conflicting_ids_total",
+    "Messages whose event id a consumer had already seen with a different payload (both were delivered)",
+    ["consumer"],
+)
+DEAD_LETTERS = Counter(
+    "gyre_dead_letters_total",
+    "Messages refused as invalid and sent to GYRE_DEAD_LETTERS",
+    ["service", "code"],
+)
+DEAD_LETTERS_LOST = Counter(
+    "gyre_dead_letters_lost_total", "Dead letters that could not be stored (the refusal stands)", ["service"]
+)
+
+
+def message_id_headers(subject: str, msg_id: str, data: bytes) -> dict[str, str]:
+    """Headers of a message with event id `msg_id`: ``Nats-Msg-Id`` is
+    ``<subject>/<msg_id>/<blake2b-96 of the payload>``, so JetStream drops only a repeat of the *same*
+    event (a retry), and a message published first under a guessed id with another payload cannot
+    make the stream drop the real one; ``Gyre-Msg-Id`` (``<subject>/<msg_id>``) lets consumers see
+    and count two different payloads under one id."""
+    event_key = f"{subject}/{msg_id}"
+    digest = hashlib.blake2b(data, digest_size=12).hexdigest()
+    return {MSG_ID_HEADER: f"{event_key}/{digest}", EVENT_ID_HEADER: event_key}
+
+
+def _headers_size(headers: dict[str, str]) -> int:
+    return _HEADER_BLOCK_OVERHEAD + sum(len(k) + len(v) + 4 for k, v in headers.items())
+
+
+def _one_line(text: str, limit: int) -> str:
+    """A header-safe value: printable ASCII on one line, at most `limit` characters."""
+    flat = "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in text)
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _same_stream_config(have: api.StreamConfig, want: api.StreamConfig) -> bool:
+    """True when the server's stream config matches ours in everything ensure_streams sets."""
+
+    def close(a: float | None, b: float | None) -> bool:
+        return abs((a or 0.0) - (b or 0.0)) < 1e-3
+
+    return (
+        sorted(have.subjects or []) == sorted(want.subjects or [])
+        and (have.description or "") == (want.description or "")
+        and have.retention == want.retention
+        and have.storage == want.storage
+        and have.discard == want.discard
+        and (have.max_bytes if have.max_bytes is not None else -1) == want.max_bytes
+        and close(have.max_age, want.max_age)
+        and close(have.duplicate_window, want.duplicate_window)
+    )
+
+
+class RateLimitedLog:
+    """Logs at most `per_window` lines per key and window of `window_s` seconds; the first line of
+    the next window says how many were suppressed (a flood of bad messages is a few lines a minute)."""
+
+    def __init__(self, logger: logging.Logger, per_window: int = 5, window_s: float = 60.0) -> None:
+        self._log = logger
+        self._per_window = per_window
+        self._window_s = window_s
+        self._state: dict[str, tuple[float, int, int]] = {}  # key -> (window start, logged, suppressed)
+
+    def log(self, key: str, fmt: str, *args: object) -> bool:
+        """Log a WARNING unless `key` used up its lines this window; True if it was logged."""
+        now = time.monotonic()
+        start, logged, suppressed = self._state.get(key, (now, 0, 0))
+        if now - start >= self._window_s:
+            if suppressed:
+                self._log.warning(
+                    "%d more %r lines suppressed in the last %.0f s", suppressed, key, now - start
+                )
+            start, logged, suppressed = now, 0, 0
+        if logged >= self._per_window:
+            self._state[key] = (start, logged, suppressed + 1)
+            return False
+        self._state[key] = (start, logged + 1, suppressed)
+        self._log.warning(fmt, *args)
+        return True
+
+
+_DEAD_LOG = RateLimitedLog(log)
+_CONFLICT_LOG = RateLimitedLog(log)
+_DENIED_LOG = RateLimitedLog(log)
 
 
 def _stream_label(subject: str) -> str:
@@ -72,6 +174,8 @@ class ConsumerStats:
     num_naked: int = 0
     num_terminated: int = 0
     num_handler_errors: int = 0
+    # Messages whose event id came before with a different payload (delivered too, and counted).
+    num_conflicting_ids: int = 0
 
 
 class Consumer(Generic[M]):
@@ -101,6 +205,8 @@ class Consumer(Generic[M]):
         self._max_nak_delay_s = max_nak_delay_s
         self._stopping = asyncio.Event()
         self.stats = ConsumerStats()
+        # Event id -> payload digest of the last _SEEN_IDS events (see _note_identity).
+        self._seen: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.task: asyncio.Task[None] = asyncio.create_task(self._run(), name=f"consumer:{durable}")
         self.task.add_done_callback(bus._on_consumer_done)
 
@@ -128,6 +234,30 @@ class Consumer(Generic[M]):
             if msgs:
                 await self._process(msgs)
 
+    def _note_identity(self, msg: Msg) -> None:
+        """Count a message whose event id this consumer already saw with another payload digest.
+        Both are handed to the handler (which is idempotent by its natural key): nothing is dropped
+        silently, and the counter says someone published a second, different event under one id."""
+        headers = msg.headers or {}
+        event_key, full_id = headers.get(EVENT_ID_HEADER), headers.get(MSG_ID_HEADER)
+        if not event_key or not full_id:
+            return
+        digest = full_id.rsplit("/", 1)[-1]
+        seen = self._seen.get(event_key)
+        if seen is None:
+            self._seen[event_key] = digest
+            if len(self._seen) > _SEEN_IDS:
+                self._seen.popitem(last=False)
+        elif seen != digest:
+            self.stats.num_conflicting_ids += 1
+            CONFLICTING_IDS.labels(self.durable).inc()
+            _CONFLICT_LOG.log(
+                f"conflict:{self.durable}",
+                "consumer %s: event id %s arrived again with a different payload; both delivered, counted",
+                self.durable,
+                event_key,
+            )
+
     async def _process(self, msgs: list[Msg]) -> None:
         decoded: list[M] = []
         good: list[Msg] = []
@@ -136,17 +266,19 @@ class Consumer(Generic[M]):
                 decoded.append(self._msg_type.FromString(msg.data))
                 good.append(msg)
             except DecodeError as exc:
-                log.error(
-                    "consumer %s: terminated undecodable message on %s (%d bytes, expected %s): %s",
-                    self.durable,
+                await self._bus.dead_letter(
                     msg.subject,
-                    len(msg.data),
+                    msg.data,
                     self._msg_type.DESCRIPTOR.full_name,
-                    exc,
+                    "undecodable",
+                    f"consumer {self.durable}: {len(msg.data)} bytes are not a "
+                    f"{self._msg_type.DESCRIPTOR.full_name}: {exc}",
                 )
                 await msg.term()
                 self.stats.num_terminated += 1
                 CONSUMED.labels(self.durable, "term").inc()
+                continue
+            self._note_identity(msg)
         if not good:
             return
         keepalive = asyncio.create_task(self._extend_deadline(good))
@@ -267,17 +399,37 @@ class Bus:
         self.js = nc.jetstream()
         self.name = name
         self._consumers: set[Consumer[Any]] = set()
+        # The server's last 100 "permissions violation" errors on this connection (a publish or
+        # subscribe its NATS user may not do; the publish then times out as Unavailable).
+        self.permission_errors: list[str] = []
+        # Messages this connection sent to the dead-letter stream, by code (see dead_letter).
+        self.num_dead_letters: collections.Counter[str] = collections.Counter()
         # Called with the exception when a consumer's task dies unexpectedly (gyre.service sets it).
         self.on_consumer_failure: Callable[[BaseException], None] | None = None
 
     @classmethod
     async def connect(cls, url: str, *, name: str, connect_wait_s: float = 10.0) -> Bus:
         """Connect to NATS at `url`, retrying for about `connect_wait_s` seconds (Unavailable after);
-        once connected, reconnect forever after a disconnection."""
+        once connected, reconnect forever after a disconnection.
+
+        Credentials go in the URL (``nats://user:password@host:4222``, see gyre.bus.auth); with a user,
+        the connection's reply inbox is ``_INBOX_<user>``, the only inbox that user may subscribe to.
+        A refused login raises Unavailable at once (no retries); the password is never logged."""
         connected = False
         reconnect_wait_s = 0.5
+        shown = auth.redact(url)
+        user = auth.user_of(url)
+        refused: list[BaseException] = []
+        denied: list[str] = []
 
         async def _error(exc: Exception) -> None:
+            if isinstance(exc, nats.errors.AuthorizationError) or "Authorization Violation" in str(exc):
+                refused.append(exc)
+            if "permissions violation" in str(exc).lower():
+                denied.append(str(exc))
+                del denied[:-100]
+                _DENIED_LOG.log(f"denied:{name}", "nats (%s): the server refused: %s", name, exc)
+                return
             if connected:
                 log.warning("nats (%s): %s", name, exc)
             else:
@@ -285,7 +437,7 @@ class Bus:
 
         async def _disconnected() -> None:
             if connected and not (nc.is_closed or nc.is_draining):
-                log.warning("nats (%s): disconnected from %s", name, url)
+                log.warning("nats (%s): disconnected from %s", name, shown)
 
         async def _reconnected() -> None:
             log.info("nats (%s): reconnected", name)
@@ -296,6 +448,8 @@ class Bus:
             "connect_timeout": min(2.0, connect_wait_s),
             "reconnect_time_wait": reconnect_wait_s,
         }
+        if user is not None:
+            timing["inbox_prefix"] = auth.inbox_prefix(user)
         try:
             await nc.connect(
                 url,
@@ -308,12 +462,21 @@ class Bus:
                 **timing,
             )
         except (OSError, TimeoutError, nats.errors.Error) as exc:
+            if refused or isinstance(exc, nats.errors.AuthorizationError):
+                raise Unavailable(
+                    f"NATS at {shown} refused the login of {user or 'an anonymous client'}: authorization "
+                    "violation; give this service its own credentials (nats://user:password@host:port, "
+                    "see docs/operations.md#security)"
+                ) from None
             raise Unavailable(
-                f"cannot connect to NATS at {url} within {connect_wait_s} s ({exc!r}); is nats-server running?"
-            ) from exc
+                f"cannot connect to NATS at {shown} within {connect_wait_s} s ({type(exc).__name__}); "
+                "is nats-server running?"
+            ) from None
         connected = True
         nc.options["max_reconnect_attempts"] = -1  # from now on, ride out server restarts
-        return cls(nc, name)
+        bus = cls(nc, name)
+        bus.permission_errors = denied
+        return bus
 
     @property
     def max_payload(self) -> int:
@@ -321,7 +484,11 @@ class Bus:
         return int(self.nc.max_payload)
 
     async def ensure_streams(self) -> None:
-        """Create every stream of gyre.bus.subjects.STREAMS, or update it to the declared config."""
+        """Make every stream of gyre.bus.subjects.STREAMS exist with its declared config.
+
+        A stream that already has that config is left alone, so a service whose NATS user may only
+        read stream info (gyre.bus.auth: only ``admin`` manages streams) passes once the launcher
+        declared them; a missing or different stream is created or updated, which needs that right."""
         for spec in subjects.STREAMS:
             config = api.StreamConfig(
                 name=spec.name,
@@ -335,23 +502,68 @@ class Bus:
                 discard=api.DiscardPolicy.OLD,
             )
             try:
-                await self.js.add_stream(config)
+                info = await self.js.stream_info(spec.name)
+            except nats.js.errors.NotFoundError:
+                info = None
+            except nats.errors.TimeoutError as exc:
+                raise Unavailable(
+                    f"no answer to stream info of {spec.name} ({exc!r}); does this NATS user have the "
+                    "JetStream API rights of gyre.bus.auth?"
+                ) from exc
+            if info is not None and _same_stream_config(info.config, config):
+                continue
+            try:
+                if info is None:
+                    await self.js.add_stream(config)
+                else:
+                    await self.js.update_stream(config)
             except nats.js.errors.BadRequestError:
                 await self.js.update_stream(config)
+            except nats.errors.TimeoutError as exc:
+                raise Unavailable(
+                    f"stream {spec.name} is missing or differs from gyre.bus.subjects and this NATS user "
+                    f"({self.name}) may not change it; declare the streams as the admin user first "
+                    "(the launcher does, or `gyre up`)"
+                ) from exc
 
     def _encode(self, subject: str, msg: Message, msg_id: str | None) -> tuple[bytes, dict[str, str] | None]:
         data = msg.SerializeToString()
-        # JetStream deduplicates per stream; scoping the key by subject (which holds the run_id)
-        # keeps equal event IDs of different runs or tasks from being dropped as duplicates.
-        dedup_key = f"{subject}/{msg_id}" if msg_id else None
-        headers = {MSG_ID_HEADER: dedup_key} if dedup_key else None
-        size = len(data) + (len(dedup_key) + _HEADER_OVERHEAD if dedup_key else 0)
+        headers = message_id_headers(subject, msg_id, data) if msg_id else None
+        size = len(data) + (_headers_size(headers) if headers else 0)
         if size > self.max_payload:
             raise PayloadTooLarge(
                 f"{type(msg).__name__} on {subject} is {size} bytes, over the NATS server's max_payload of "
                 f"{self.max_payload} bytes; send bulk data over gRPC (or raise max_payload in the server config)"
             )
         return data, headers
+
+    async def dead_letter(
+        self, subject: str, payload: bytes, type_name: str, code: str, reason: str, *, service: str = ""
+    ) -> None:
+        """Store a refused message on the dead-letter stream (gyre.dead.<run>.<service>) with its
+        reason, count it (gyre_dead_letters_total{service, code}) and log it (at most a few lines per
+        code and minute). `code` is a short label (``undecodable``, ``token_out_of_vocab``...), `reason`
+        one human line. Never raises: a dead letter that cannot be stored is logged and counted."""
+        service = service or self.name
+        DEAD_LETTERS.labels(service, code).inc()
+        self.num_dead_letters[code] += 1
+        _DEAD_LOG.log(code, "%s refused a message on %s (%s): %s", service, subject, code, reason)
+        parts = subject.split(".")
+        try:
+            dead_subject = subjects.dead_letters(parts[2] if len(parts) > 2 else "unknown", service)
+        except InvalidArgument:
+            dead_subject = subjects.dead_letters("unknown", service)
+        letter = any_pb2.Any(type_url=f"type.googleapis.com/{type_name}", value=payload)
+        headers = {
+            DEAD_REASON_HEADER: _one_line(reason, 1024),
+            DEAD_SUBJECT_HEADER: _one_line(subject, 512),
+            DEAD_CODE_HEADER: _one_line(code, 64),
+        }
+        try:
+            await self.js.publish(dead_subject, letter.SerializeToString(), timeout=10.0, headers=headers)
+        except Exception as exc:  # the refusal itself stands; only the copy is lost
+            DEAD_LETTERS_LOST.labels(service).inc()
+            log.warning("dead letter of %s on %s could not be stored: %r", service, subject, exc)
 
     async def publish(
         self, subject: str, msg: Message, *, msg_id: str | None = None, timeout_s: float = 10.0

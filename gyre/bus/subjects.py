@@ -9,9 +9,13 @@ how long messages are kept):
 
 * **Publish**: at-least-once. ``Bus.publish`` waits for the stream's ack; a publisher that did
   not get the ack retries with the *same* ``msg_id`` (``Nats-Msg-Id``), and the stream stores a
-  message once per ``(subject, msg_id)`` within ``DUPLICATE_WINDOW_S`` (the Nats-Msg-Id header
-  is ``<subject>/<msg_id>``, so equal event IDs of different runs never collide). Every event's
-  ``event_id`` is its ``msg_id``.
+  message once per ``(subject, msg_id, payload)`` within ``DUPLICATE_WINDOW_S`` (the Nats-Msg-Id
+  header is ``<subject>/<msg_id>/<payload digest>``: equal event IDs of different runs never
+  collide, and a message published first under a guessed id with another payload cannot make the
+  stream drop the real event; consumers count such a conflict). Every event's ``event_id`` is its
+  ``msg_id``.
+* **Who**: with authentication on (gyre.bus.auth), only the services in a stream's ``producers``
+  may publish on it and only those in ``consumers`` (and the read-only ``observer``) read it.
 * **Consume**: at-least-once. Durable pull consumers ack a message only after the handler
   returned; a handler that raises gets the batch redelivered (after a delay), a crash before the
   ack redelivers it after ``ack_wait``. Handlers must therefore be idempotent (key their writes
@@ -25,6 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
 from gyre.errors import InvalidArgument
@@ -84,6 +89,11 @@ def metrics(run_id: str, service: str) -> str:
     return f"{PREFIX}.metrics.{_token(run_id, 'run_id')}.{_token(service, 'service', last=True)}"
 
 
+def dead_letters(run_id: str, service: str) -> str:
+    """Messages `service` refused as invalid (google.protobuf.Any of the original; reason in headers)."""
+    return f"{PREFIX}.dead.{_token(run_id, 'run_id')}.{_token(service, 'service', last=True)}"
+
+
 @dataclass(frozen=True)
 class StreamSpec:
     """One JetStream stream: its subjects, retention and the guarantee consumers rely on."""
@@ -97,7 +107,11 @@ class StreamSpec:
     # The stream drops its oldest messages beyond this many bytes; -1 means no limit.
     max_bytes: int = -1
     description: str = ""
+    # Services that read the stream (durable or tail); the NATS permissions of gyre.bus.auth follow it.
     consumers: tuple[str, ...] = field(default=())
+    # Services allowed to publish on the stream. A name alone may publish on every subject of the
+    # stream; ``"<service>:<last token>"`` only on subjects whose last token is that (its own metrics).
+    producers: tuple[str, ...] = field(default=())
 
 
 STREAMS: tuple[StreamSpec, ...] = (
@@ -112,6 +126,7 @@ STREAMS: tuple[StreamSpec, ...] = (
             "hold is stale and ignored, so redelivery and reordering across devices are harmless."
         ),
         consumers=("rollout", "trainer", "analytics"),
+        producers=("scheduler",),
     ),
     StreamSpec(
         name="GYRE_EXECUTIONS",
@@ -123,6 +138,7 @@ STREAMS: tuple[StreamSpec, ...] = (
             "applies lifecycle transitions idempotently (a repeated FINISHED changes nothing)."
         ),
         consumers=("trajectory", "analytics"),
+        producers=("rollout",),
     ),
     StreamSpec(
         name="GYRE_STEPS",
@@ -135,6 +151,7 @@ STREAMS: tuple[StreamSpec, ...] = (
             "redelivered step is stored once. Ordered per task subject."
         ),
         consumers=("trajectory", "analytics"),
+        producers=("rollout",),
     ),
     StreamSpec(
         name="GYRE_PATHS",
@@ -147,6 +164,7 @@ STREAMS: tuple[StreamSpec, ...] = (
             "pulls a batch by batch_id, which the trajectory service hands out once per consumer."
         ),
         consumers=("trainer", "analytics"),
+        producers=("trajectory",),
     ),
     StreamSpec(
         name="GYRE_WEIGHTS",
@@ -159,6 +177,7 @@ STREAMS: tuple[StreamSpec, ...] = (
             "than the one it has, so redelivery is harmless."
         ),
         consumers=("rollout", "trajectory", "analytics"),
+        producers=("trainer",),
     ),
     StreamSpec(
         name="GYRE_METRICS",
@@ -171,6 +190,27 @@ STREAMS: tuple[StreamSpec, ...] = (
             "repeated one only shifts a plot point. Kept one day, at most 1 GiB."
         ),
         consumers=("analytics",),
+        producers=("scheduler:scheduler", "rollout:rollout", "trajectory:trajectory", "trainer:trainer"),
+    ),
+    StreamSpec(
+        name="GYRE_DEAD_LETTERS",
+        subjects=(f"{PREFIX}.dead.>",),
+        msg_type=any_pb2.Any,
+        max_age_s=7 * _DAY_S,
+        max_bytes=1 << 30,
+        description=(
+            "Any consuming service -> operators, analytics. A message the service refused as invalid, on "
+            "gyre.dead.<run>.<service>: the original payload in a google.protobuf.Any (type_url names its "
+            "message type), headers Gyre-Dead-Reason (one line), Gyre-Dead-Subject and Gyre-Dead-Code (the "
+            "counter label). Written once per refused message; kept a week, at most 1 GiB."
+        ),
+        consumers=("analytics",),
+        producers=(
+            "scheduler:scheduler",
+            "rollout:rollout",
+            "trajectory:trajectory",
+            "trainer:trainer",
+        ),
     ),
 )
 
