@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from services.trajectory.grouping import score_group
     from services.trajectory.scoring import Ending, Outcome, ProgressScorer
-    from services.trajectory.scoring import Progress as Prog
+    from services.trajectory.scoring import ProgressSignals as Prog
     from services.trajectory.workload import WorkloadConfig, generate, interleaved_tokens, xlong_execution
 
     cfg = WorkloadConfig(num_groups=args.groups, group_size=args.group_size, seed=args.seed)

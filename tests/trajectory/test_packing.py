@@ -8,7 +8,7 @@ import numpy as np
 
 from services.trajectory.grouping import score_group
 from services.trajectory.packing import PackedExecution, ScoredGroup, pack, select_groups, trainable_tokens
-from services.trajectory.scoring import Ending, Outcome, Progress, ProgressScorer
+from services.trajectory.scoring import Ending, Outcome, ProgressScorer, ProgressSignals
 from services.trajectory.tree import TaskTree
 from services.trajectory.workload import WorkloadConfig, generate
 
@@ -75,7 +75,7 @@ def outcomes_for(execs):
             ex.execution_id,
             Ending.FINISHED if ex.finished else Ending.TRUNCATED,
             ex.reward if ex.finished else None,
-            Progress(ex.milestones_reached, ex.milestones_total),
+            ProgressSignals(ex.milestones_reached, ex.milestones_total),
         )
         for ex in execs
     }

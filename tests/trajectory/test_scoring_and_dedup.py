@@ -13,8 +13,8 @@ from services.trajectory.grouping import score_group
 from services.trajectory.scoring import (
     Ending,
     Outcome,
-    Progress,
     ProgressScorer,
+    ProgressSignals,
     group_advantages,
     node_values,
 )
@@ -24,29 +24,29 @@ scorer = ProgressScorer()
 
 
 def test_finished_execution_gets_its_final_reward():
-    s = scorer.score(Outcome("e", Ending.FINISHED, 0.75, Progress()))
+    s = scorer.score(Outcome("e", Ending.FINISHED, 0.75, ProgressSignals()))
     assert (s.reward, s.partial, s.source) == (0.75, False, "final")
 
 
 def test_truncated_execution_is_scored_from_tests_passing_and_marked_partial():
-    s = scorer.score(Outcome("e", Ending.TRUNCATED, None, Progress(1, 4, 0.3)))
+    s = scorer.score(Outcome("e", Ending.TRUNCATED, None, ProgressSignals(1, 4, 0.3)))
     assert (s.reward, s.partial, s.source) == (0.3, True, "tests")
 
 
 def test_failed_execution_without_tests_is_scored_from_milestones():
-    s = scorer.score(Outcome("e", Ending.FAILED, None, Progress(3, 4)))
+    s = scorer.score(Outcome("e", Ending.FAILED, None, ProgressSignals(3, 4)))
     assert (s.reward, s.partial, s.source) == (0.75, True, "milestones")
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 1.5, -0.1])
 def test_nan_infinite_or_out_of_range_reward_is_rejected_with_a_clear_error(bad):
     with pytest.raises(InvalidArgument, match=r"execution 'e7'.*reward"):
-        scorer.score(Outcome("e7", Ending.FINISHED, bad, Progress()))
+        scorer.score(Outcome("e7", Ending.FINISHED, bad, ProgressSignals()))
 
 
 def test_nan_progress_fraction_is_rejected():
     with pytest.raises(InvalidArgument, match="tests_passed_fraction"):
-        scorer.score(Outcome("e", Ending.TRUNCATED, None, Progress(tests_passed_fraction=math.nan)))
+        scorer.score(Outcome("e", Ending.TRUNCATED, None, ProgressSignals(tests_passed_fraction=math.nan)))
 
 
 def test_group_advantages_are_zero_mean_and_unit_std():
@@ -79,7 +79,8 @@ def test_exact_duplicates_merge_with_multiplicity_and_keep_group_statistics():
     )
     tree = _tree_with({"e0": a, "e1": a, "e2": b})
     outcomes = {
-        e: Outcome(e, Ending.FINISHED, r, Progress()) for e, r in [("e0", 1.0), ("e1", 1.0), ("e2", 0.0)]
+        e: Outcome(e, Ending.FINISHED, r, ProgressSignals())
+        for e, r in [("e0", 1.0), ("e1", 1.0), ("e2", 0.0)]
     }
     res = score_group(tree, "g", outcomes, scorer)
     reps = {p.execution_id: p for p in res.group.executions}
@@ -115,4 +116,4 @@ def test_a_group_is_never_reduced_to_identical_members():
 def test_bad_reward_in_a_group_raises_before_anything_is_scored():
     tree = _tree_with({"e0": [np.arange(5, dtype=np.int32)]})
     with pytest.raises(InvalidArgument, match="nan"):
-        score_group(tree, "g", {"e0": Outcome("e0", Ending.FINISHED, math.nan, Progress())}, scorer)
+        score_group(tree, "g", {"e0": Outcome("e0", Ending.FINISHED, math.nan, ProgressSignals())}, scorer)

@@ -181,7 +181,7 @@ def test_mismatched_completion_arrays_are_rejected_with_a_clear_error():
 
 
 def test_full_prompts_inserted_from_the_previous_call_build_the_same_tree_as_from_the_root():
-    from services.trajectory.core import _shared_with_previous_call
+    from services.trajectory.ingest import shared_with_previous_call
     from services.trajectory.workload import WorkloadConfig, generate
 
     cfg = WorkloadConfig(
@@ -194,7 +194,7 @@ def test_full_prompts_inserted_from_the_previous_call_build_the_same_tree_as_fro
     for ex in generate(cfg):
         for c in ex.calls:
             plain.insert_call(ex.execution_id, c.call_seq, c.prompt, c.completion, c.logprobs, c.versions)
-            hint = _shared_with_previous_call(hinted, ex.execution_id, c.call_seq, c.prompt)
+            hint = shared_with_previous_call(hinted, ex.execution_id, c.call_seq, c.prompt)
             used_hint += hint is not None
             hinted.insert_call(
                 ex.execution_id, c.call_seq, c.prompt, c.completion, c.logprobs, c.versions, known_prefix=hint

@@ -1,0 +1,343 @@
+"""Ingest: step events become calls in the task trees; execution events record how executions end.
+
+A batch of steps (one JetStream fetch, or one IngestSteps call) goes through three stages::
+
+    decode + validate   (worker thread, no shared state)   -> arrays, or a rejection with its reason
+    match + insert      (event loop, under the state lock)  -> trees changed in memory, a StepBatch
+    commit              (worker thread, CommitQueue)        -> one Postgres transaction, then the ack
+
+The lock is released once the batch is queued for commit, so the next batch is decoded and matched
+while this one is written: one database round trip per batch, and the event loop never waits on it.
+``ingest_steps`` returns only after its own commit, so a JetStream batch is acked only once stored.
+
+Idempotence: a step is keyed by (execution_id, call_seq); one already held is counted as a
+duplicate and changes nothing. A compact step whose base call is not stored yet is counted as
+waiting (the caller has it redelivered). Invalid steps are stored as rejections with their reason,
+and the rest of their batch is stored. Execution end events keep the first ending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gyre.errors import InvalidArgument
+from gyre.v1 import events_pb2, trajectory_pb2
+from services.trajectory.scoring import Ending, Outcome, ProgressSignals, Scorer, validate_progress
+from services.trajectory.state import (
+    CommitQueue,
+    ExecInfo,
+    TrajectoryState,
+    progress_from_json,
+    progress_from_pb,
+    progress_to_json,
+)
+from services.trajectory.store import NewCall, StepBatch, TrajectoryStore
+from services.trajectory.tree import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Node, TaskTree
+
+log = logging.getLogger("gyre.trajectory")
+
+_ENDINGS = {
+    events_pb2.ExecutionEvent.KIND_FINISHED: Ending.FINISHED,
+    events_pb2.ExecutionEvent.KIND_TRUNCATED: Ending.TRUNCATED,
+    events_pb2.ExecutionEvent.KIND_FAILED: Ending.FAILED,
+}
+
+Rejection = tuple[str, str, str, bytes]  # kind, key, error, payload
+
+
+def validate_step(step: events_pb2.StepEvent) -> np.ndarray:
+    """Raise InvalidArgument naming the problem; return the completion log-probs (float32) of a valid step."""
+    for name in ("run_id", "task_id", "group_id", "execution_id"):
+        if not getattr(step, name):
+            raise InvalidArgument(f"step {step.event_id!r}: {name} is empty")
+    if step.call_seq < 0:
+        raise InvalidArgument(f"step {step.execution_id}.{step.call_seq}: call_seq must be >= 0")
+    n = len(step.completion_token_ids)
+    if not (n == len(step.completion_logprobs) == len(step.completion_versions)):
+        raise InvalidArgument(
+            f"step {step.execution_id}.{step.call_seq}: completion_token_ids ({n}), completion_logprobs "
+            f"({len(step.completion_logprobs)}) and completion_versions ({len(step.completion_versions)}) differ in length"
+        )
+    if n + len(step.prompt_token_ids) == 0:
+        raise InvalidArgument(f"step {step.execution_id}.{step.call_seq}: no prompt and no completion tokens")
+    lp = np.array(step.completion_logprobs, dtype=LOGPROB_DTYPE)
+    if n and not (np.isfinite(lp.sum()) and lp.max() <= 1e-3):
+        raise InvalidArgument(
+            f"step {step.execution_id}.{step.call_seq}: completion_logprobs must be finite and <= 0"
+        )
+    if step.HasField("progress"):
+        validate_progress(progress_from_pb(step.progress), step.execution_id)
+    return lp
+
+
+@dataclass(slots=True)
+class DecodedStep:
+    """A valid step with its token lists as arrays (the decode stage's output)."""
+
+    step: events_pb2.StepEvent
+    prompt: np.ndarray  # TOKEN_DTYPE; the new tokens only when the step is compact
+    completion: np.ndarray  # TOKEN_DTYPE
+    logprobs: np.ndarray  # LOGPROB_DTYPE, natural log, <= 0
+    versions: np.ndarray  # VERSION_DTYPE, policy version of each completion token
+    progress: ProgressSignals
+
+
+def _rejection(step: events_pb2.StepEvent, error: str) -> Rejection:
+    return ("step", f"{step.execution_id}.{step.call_seq}", error, step.SerializeToString())
+
+
+def decode_steps(steps: list[events_pb2.StepEvent], run_id: str) -> tuple[list[DecodedStep], list[Rejection]]:
+    """Validate every step and convert its lists to arrays; pure (touches no shared state).
+
+    Valid steps come back in call order within an execution (a compact step's base call first).
+    """
+    decoded: list[DecodedStep] = []
+    rejected: list[Rejection] = []
+    for step in sorted(steps, key=lambda st: (st.execution_id, st.call_seq)):
+        try:
+            logprobs = validate_step(step)
+            if step.run_id != run_id:
+                raise InvalidArgument(
+                    f"step {step.event_id!r} belongs to run {step.run_id!r}, this service serves {run_id!r}"
+                )
+        except InvalidArgument as exc:
+            rejected.append(_rejection(step, str(exc)))
+            continue
+        decoded.append(
+            DecodedStep(
+                step,
+                np.array(step.prompt_token_ids, dtype=TOKEN_DTYPE),
+                np.array(step.completion_token_ids, dtype=TOKEN_DTYPE),
+                logprobs,
+                np.array(step.completion_versions, dtype=VERSION_DTYPE),
+                progress_from_pb(step.progress),
+            )
+        )
+    return decoded, rejected
+
+
+def shared_with_previous_call(
+    tree: TaskTree, execution_id: str, call_seq: int, prompt: np.ndarray
+) -> tuple[Node, int] | None:
+    """For a full prompt: (end node of the execution's previous call, tokens the prompt shares with it).
+
+    Usually the prompt extends the previous call's sequence, so one vectorised comparison replaces
+    the walk from the root that compares node by node (one numpy call per node of a deep path).
+    The tree built is the same either way: the shared prefix is exactly the path to that node.
+    """
+    prev = tree.calls.get((execution_id, call_seq - 1))
+    if prev is None or not len(prompt):
+        return None
+    seq = tree.sequence(prev.end_node)
+    m = min(len(seq), len(prompt))
+    same = seq[:m] == prompt[:m]
+    k = m if bool(same.all()) else int(np.argmin(same))
+    return (prev.end_node, k) if k > 0 else None
+
+
+class StepIngest:
+    """Steps into trees and execution events into executions, over the shared state and the store."""
+
+    def __init__(
+        self,
+        run_id: str,
+        state: TrajectoryState,
+        store: TrajectoryStore,
+        commits: CommitQueue,
+        scorer: Scorer,
+        counters: Counter[str],
+    ) -> None:
+        self.run_id = run_id
+        self.state = state
+        self.store = store
+        self.commits = commits
+        self.scorer = scorer
+        self.counters = counters
+
+    # ------------------------------------------------------------------ steps
+    async def ingest_steps(self, steps: list[events_pb2.StepEvent]) -> trajectory_pb2.IngestSummary:
+        """Store new steps once (committed before this returns); duplicates and invalid ones change no tree."""
+        summary = trajectory_pb2.IngestSummary(num_received=len(steps))
+        decoded, rejected = await asyncio.to_thread(decode_steps, steps, self.run_id)
+        async with self.commits.lock:
+            batch = self._insert(decoded, rejected, summary)
+            gen, fut = self.commits.submit(self.store.commit_steps, batch)
+        await self.commits.wait(gen, fut, lock_held=False)
+        self.counters["steps_received"] += summary.num_received
+        self.counters["steps_stored"] += summary.num_stored
+        self.counters["steps_duplicate"] += summary.num_duplicates
+        self.counters["steps_rejected"] += summary.num_rejected
+        self.counters["steps_waiting_for_base"] += summary.num_waiting
+        return summary
+
+    def _reject(self, summary: trajectory_pb2.IngestSummary, batch: StepBatch, r: Rejection) -> None:
+        summary.num_rejected += 1
+        summary.errors.append(r[2])
+        batch.rejections.append(r)
+
+    def _insert(
+        self, decoded: list[DecodedStep], rejected: list[Rejection], summary: trajectory_pb2.IngestSummary
+    ) -> StepBatch:
+        """Match each step against its task's tree and insert it (memory only; lock held, no await)."""
+        st = self.state
+        batch = StepBatch()
+        for r in rejected:
+            self._reject(summary, batch, r)
+        for d in decoded:
+            step = d.step
+            known = st.executions.get(step.execution_id)
+            if known is not None and (known.group_id, known.task_id) != (step.group_id, step.task_id):
+                self._reject(
+                    summary,
+                    batch,
+                    _rejection(
+                        step,
+                        f"step {step.execution_id}.{step.call_seq}: execution belongs to group {known.group_id!r} of task "
+                        f"{known.task_id!r}, not {step.group_id!r}/{step.task_id!r}",
+                    ),
+                )
+                continue
+            tree = st.trees.get(step.task_id)
+            if tree is None:
+                tree = st.trees[step.task_id] = TaskTree(step.task_id, st.ids)
+                batch.tasks.add(step.task_id)
+            if (step.execution_id, step.call_seq) in tree.calls:
+                summary.num_duplicates += 1
+                continue
+            prompt = d.prompt
+            known_prefix: tuple[Node, int] | None
+            if step.HasField("prompt_base_call_seq"):
+                base = tree.calls.get((step.execution_id, step.prompt_base_call_seq))
+                if base is None:
+                    summary.num_waiting += 1
+                    continue
+                if (
+                    not 0 <= step.prompt_base_len <= base.total_len
+                    or step.prompt_base_call_seq >= step.call_seq
+                ):
+                    self._reject(
+                        summary,
+                        batch,
+                        _rejection(
+                            step,
+                            f"step {step.execution_id}.{step.call_seq}: prompt_base_len {step.prompt_base_len} must lie in "
+                            f"[0, {base.total_len}] and prompt_base_call_seq {step.prompt_base_call_seq} must be an earlier call",
+                        ),
+                    )
+                    continue
+                head = tree.sequence(base.end_node)[: step.prompt_base_len]
+                prompt = np.concatenate([head, prompt])
+                known_prefix = (base.end_node, step.prompt_base_len)
+            else:
+                known_prefix = shared_with_previous_call(tree, step.execution_id, step.call_seq, prompt)
+            rec, changes = tree.insert_call(
+                step.execution_id,
+                step.call_seq,
+                prompt,
+                d.completion,
+                d.logprobs,
+                d.versions,
+                step.agent_id or "main",
+                known_prefix,
+            )
+            if rec is None:  # a duplicate the tree found itself
+                summary.num_duplicates += 1
+                continue
+            for n in changes.created:
+                batch.nodes[n.node_id] = (step.task_id, n)
+                batch.created.add(n.node_id)
+            for n in changes.modified:
+                batch.nodes[n.node_id] = (step.task_id, n)
+            batch.calls.append(
+                NewCall(
+                    step.task_id,
+                    step.group_id,
+                    rec,
+                    progress_to_json(d.progress),
+                    step.context_event,
+                    step.num_migrations,
+                )
+            )
+            info = st.executions.get(step.execution_id)
+            if info is None:
+                info = st.executions[step.execution_id] = ExecInfo(step.group_id, step.task_id)
+                batch.executions[step.execution_id] = (step.group_id, step.task_id)
+                batch.groups[step.group_id] = step.task_id
+                batch.tasks.add(step.task_id)
+                st.group(step.group_id, step.task_id).members.add(step.execution_id)
+            if info.last_step_progress is None or step.call_seq > info.last_step_progress[0]:
+                info.last_step_progress = (step.call_seq, d.progress)
+            summary.num_stored += 1
+        return batch
+
+    # ------------------------------------------------------------------ executions
+    async def ingest_executions(self, events: list[events_pb2.ExecutionEvent]) -> int:
+        """Record execution lifecycle events; invalid ones (NaN reward...) are kept as rejections. Returns #rejected."""
+        rows: list[dict[str, Any]] = []
+        rejections: list[Rejection] = []
+        st = self.state
+        async with self.commits.lock:
+            for ev in events:
+                try:
+                    row = self._execution_row(ev)
+                except InvalidArgument as exc:
+                    log.warning("rejected execution event %s: %s", ev.event_id, exc)
+                    rejections.append(
+                        ("execution", ev.event_id or ev.execution_id, str(exc), ev.SerializeToString())
+                    )
+                    continue
+                rows.append(row)
+            await self.commits.commit(self.store.commit_executions, rows, rejections)
+            for row in rows:
+                info = st.executions.get(row["execution_id"])
+                if info is None:
+                    info = st.executions[row["execution_id"]] = ExecInfo(row["group_id"], row["task_id"])
+                st.group(row["group_id"], row["task_id"]).members.add(row["execution_id"])
+                if row["ending"] != "running" and info.ending is Ending.RUNNING:
+                    info.ending = Ending(row["ending"])
+                    info.reward, info.num_calls = row["reward"], row["num_calls"]
+                    info.progress, info.ended_unix_s = (
+                        progress_from_json(row["progress"]),
+                        row["ended_unix_s"],
+                    )
+                    st.first_end[row["group_id"]] = min(
+                        st.first_end.get(row["group_id"], math.inf), row["ended_unix_s"]
+                    )
+        self.counters["execution_events"] += len(events)
+        self.counters["execution_events_rejected"] += len(rejections)
+        return len(rejections)
+
+    def _execution_row(self, ev: events_pb2.ExecutionEvent) -> dict[str, Any]:
+        for name in ("task_id", "group_id", "execution_id"):
+            if not getattr(ev, name):
+                raise InvalidArgument(f"execution event {ev.event_id!r}: {name} is empty")
+        if ev.run_id != self.run_id:
+            raise InvalidArgument(
+                f"execution event {ev.event_id!r} belongs to run {ev.run_id!r}, not {self.run_id!r}"
+            )
+        ending = _ENDINGS.get(ev.kind, Ending.RUNNING)
+        progress = progress_from_pb(ev.progress)
+        reward = ev.reward if ev.HasField("reward") else None
+        if ending is not Ending.RUNNING:
+            # Validate now, with the scorer's own rules, so a bad reward is refused at the door.
+            self.scorer.score(Outcome(ev.execution_id, ending, reward, progress))
+        return {
+            "execution_id": ev.execution_id,
+            "group_id": ev.group_id,
+            "task_id": ev.task_id,
+            "ending": ending.value,
+            "reward": reward,
+            "progress": progress_to_json(progress),
+            "num_calls": ev.num_calls if ending is not Ending.RUNNING else None,
+            "environment": ev.environment,
+            "error": ev.error,
+            "ended_unix_s": (ev.created_unix_s or time.time()) if ending is not Ending.RUNNING else None,
+        }
