@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from gyre.errors import ConfigError
 
@@ -41,11 +41,26 @@ class CommonConfig(ConfigModel):
     )
     nats_url: str | None = Field(
         None,
-        description="NATS server URL (nats://host:4222). Unset: the launcher starts an embedded nats-server.",
+        description=(
+            "NATS server URL; with authentication, this service's own user in it (nats://<service>:<password>@host:4222, "
+            "users and subject permissions in docs/operations.md#security). Unset: the launcher starts an embedded "
+            "nats-server with one generated user per service."
+        ),
     )
     database_url: str | None = Field(
         None,
-        description="SQLAlchemy URL of Postgres (postgresql+psycopg://user:pw@host/db). Unset: embedded Postgres.",
+        description=(
+            "SQLAlchemy URL of Postgres as this service's own role (postgresql+psycopg://gyre_<service>:<password>@host/db). "
+            "Unset: embedded Postgres with a generated password and one role per service."
+        ),
+    )
+    grpc_token: SecretStr | None = Field(
+        None,
+        description=(
+            "Shared bearer token every gRPC call of the run must carry (health checks excepted); every service and "
+            "client of the run uses the same one. Unset: gRPC is open (tests, local development); `gyre up` "
+            "generates one (GYRE_GRPC_TOKEN) unless set."
+        ),
     )
     seed: int = Field(0, ge=0, description="Seed of every random generator in the run.")
     log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="Python log level.")

@@ -36,6 +36,11 @@ class Conflict(GyreError):
     """The action is not allowed in the current state (e.g. acquire a device not granted). gRPC FAILED_PRECONDITION."""
 
 
+class PermissionDenied(GyreError):
+    """The caller is authenticated but may not do this (e.g. PullBatch by a consumer that is not the
+    registered trainer). gRPC PERMISSION_DENIED."""
+
+
 class PayloadTooLarge(GyreError):
     """A message exceeds the transport's limit (NATS max_payload, gRPC max message). gRPC RESOURCE_EXHAUSTED."""
 

@@ -7,13 +7,21 @@
   each failure is counted and logged once there (a traceback only for unexpected errors).
 * ``stop(server, health, grace_s)``: health goes NOT_SERVING, new calls are refused, calls in
   flight get `grace_s` seconds to finish, then are cancelled.
+* Authentication: with a token (``create_server(token=...)``, else ``GYRE_GRPC_TOKEN``), every call
+  must carry ``authorization: Bearer <token>`` or ends UNAUTHENTICATED before any servicer code
+  runs. ``grpc.health.v1.Health`` stays open on purpose: compose and Kubernetes probes carry no
+  secret, and a health answer tells nothing but SERVING / NOT_SERVING. ``channel()`` attaches the
+  token (``token=...``, else the process default: ``set_default_token`` or ``GYRE_GRPC_TOKEN``).
+  Without any token a server is open (tests, local development); ``gyre up`` always generates one.
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 import inspect
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar, cast
 
@@ -40,6 +48,7 @@ ERROR_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.StaleEpoch, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Conflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.PayloadTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
 )
@@ -59,11 +68,101 @@ def status_code_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def create_server(host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
+# Environment variable holding the shared gRPC bearer token of a run (CommonConfig.grpc_token).
+TOKEN_ENV = "GYRE_GRPC_TOKEN"
+# Methods callable without the token: health checks (probes carry no secret).
+OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)
+_default_token: str | None = None
+
+
+def set_default_token(token: str | None) -> None:
+    """The token ``create_server`` and ``channel`` use in this process when given none (the service
+    lifecycle sets it from CommonConfig.grpc_token); None falls back to $GYRE_GRPC_TOKEN."""
+    global _default_token
+    _default_token = token or None
+
+
+def default_token() -> str | None:
+    """This process's gRPC token: set_default_token's, else $GYRE_GRPC_TOKEN, else None (open)."""
+    return _default_token or os.environ.get(TOKEN_ENV) or None
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call whose ``authorization`` metadata is not
+    ``Bearer <token>``, except the methods of OPEN_METHOD_PREFIXES. Compared in constant time."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise errors.ConfigError("the gRPC token must not be empty; unset it to run without one")
+        self._expected = f"Bearer {token}".encode()
+        self.num_refused = 0
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        method = handler_call_details.method
+        if method.startswith(OPEN_METHOD_PREFIXES):
+            return await continuation(handler_call_details)
+        given = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                given = value if isinstance(value, str) else value.decode(errors="replace")
+        if hmac.compare_digest(given.encode(), self._expected):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None  # unknown method: UNIMPLEMENTED, as without the interceptor
+        RPC_ERRORS.labels(method, grpc.StatusCode.UNAUTHENTICATED.name).inc()
+        self.num_refused += 1
+        if self.num_refused <= 5 or self.num_refused % 1000 == 0:  # a flood logs a few lines
+            log.warning(
+                "%s refused: %s bearer token (%d refused so far)",
+                method,
+                "wrong" if given else "no",
+                self.num_refused,
+            )
+        return _refusing(handler, "missing or wrong bearer token" if given else "no bearer token")
+
+
+def _refusing(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends the call UNAUTHENTICATED."""
+    message = (
+        f"{why}: this Gyre server requires `authorization: Bearer <token>` metadata "
+        f"(the run's grpc_token / ${TOKEN_ENV}; gyre.rpc.channel attaches it)"
+    )
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover (abort raises)
+
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
+
+
+def create_server(
+    host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
+) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server bound to host:port (0 = a free port); returns it with the bound port.
+    With `token` (default: default_token()) every call but health checks needs it (module docstring).
 
     Register servicers, then ``await server.start()``."""
-    server = grpc.aio.server(options=_OPTIONS)
+    token = token or default_token()
+    interceptors = [TokenAuthInterceptor(token)] if token else []
+    server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise errors.Unavailable(f"cannot bind gRPC server to {host}:{port}; is the port in use?")
@@ -91,9 +190,68 @@ async def stop(server: grpc.aio.Server, health: HealthServicer | None = None, gr
     await server.stop(grace_s)
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to host:port with the same message limits as our servers."""
-    return grpc.aio.insecure_channel(address, options=_OPTIONS)
+def _with_token(details: grpc.aio.ClientCallDetails, value: str) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*tuple(details.metadata or ()))
+    metadata.add("authorization", value)
+    return grpc.aio.ClientCallDetails(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+    )
+
+
+# One interceptor class per call shape: grpc.aio files each interceptor under the first shape it
+# matches, so one class implementing all four would only see unary-unary calls.
+class _UnaryUnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return await continuation(_with_token(client_call_details, self._value), request)
+
+
+class _UnaryStreamToken(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return await continuation(_with_token(client_call_details, self._value), request)
+
+
+class _StreamUnaryToken(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    async def intercept_stream_unary(
+        self, continuation: Any, client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_token(client_call_details, self._value), request_iterator)
+
+
+class _StreamStreamToken(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    async def intercept_stream_stream(
+        self, continuation: Any, client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_token(client_call_details, self._value), request_iterator)
+
+
+def channel(address: str, *, token: str | None = None) -> grpc.aio.Channel:
+    """An insecure grpc.aio channel to host:port with the same message limits as our servers, that
+    sends `token` (default: default_token()) as a bearer token on every call."""
+    token = token or default_token()
+    value = f"Bearer {token}"
+    interceptors: list[grpc.aio.ClientInterceptor] | None = (
+        [
+            _UnaryUnaryToken(value),
+            _UnaryStreamToken(value),
+            _StreamUnaryToken(value),
+            _StreamStreamToken(value),
+        ]
+        if token
+        else None
+    )
+    return grpc.aio.insecure_channel(address, options=_OPTIONS, interceptors=interceptors)
 
 
 async def _fail(method: str, context: grpc.aio.ServicerContext, exc: Exception) -> None:

@@ -254,6 +254,8 @@ async def _serve(
     engine = store.create_engine(common.database_url)
     await asyncio.to_thread(store.check_connection, engine)
     bus = await Bus.connect(common.nats_url, name=name)
+    # The run's gRPC token guards this server and goes on every channel this process opens.
+    rpc.set_default_token(common.grpc_token.get_secret_value() if common.grpc_token else None)
     server, port = rpc.create_server(args.host, args.port)
     health = rpc.add_health(server)
     metrics_httpd = None

@@ -16,6 +16,7 @@ RAISES: dict[bytes, Exception] = {
     b"missing": errors.NotFound("no execution e9"),
     b"stale": errors.StaleEpoch("d0", given=1, current=2),
     b"conflict": errors.Conflict("device not granted"),
+    b"denied": errors.PermissionDenied("not the registered trainer"),
     b"large": errors.PayloadTooLarge("too big"),
     b"down": errors.Unavailable("engine gone"),
     b"bug": KeyError("oops"),
@@ -25,6 +26,7 @@ EXPECTED = {
     b"missing": grpc.StatusCode.NOT_FOUND,
     b"stale": grpc.StatusCode.FAILED_PRECONDITION,
     b"conflict": grpc.StatusCode.FAILED_PRECONDITION,
+    b"denied": grpc.StatusCode.PERMISSION_DENIED,
     b"large": grpc.StatusCode.RESOURCE_EXHAUSTED,
     b"down": grpc.StatusCode.UNAVAILABLE,
     b"bug": grpc.StatusCode.INTERNAL,
@@ -129,3 +131,71 @@ def test_error_boundary_refuses_a_sync_method() -> None:
 
     with pytest.raises(TypeError, match="async"):
         rpc.error_boundary(sync_method)
+
+
+@pytest.fixture
+async def secured_address() -> AsyncIterator[str]:
+    """The toy servicer behind a bearer token ("s3cret"), health open."""
+    server, port = rpc.create_server(port=0, token="s3cret")
+    servicer = ToyServicer()
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(servicer.unary),
+        "ServerStream": grpc.unary_stream_rpc_method_handler(servicer.server_stream),
+        "ClientStream": grpc.stream_unary_rpc_method_handler(servicer.client_stream),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("toy.Toy", handlers),))
+    health = rpc.add_health(server)
+    await server.start()
+    await rpc.set_serving(health, True)
+    yield f"127.0.0.1:{port}"
+    await rpc.stop(server, health, grace_s=1.0)
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+async def test_a_call_without_the_right_token_is_unauthenticated_in_every_method_shape(
+    secured_address: str, token: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(rpc.TOKEN_ENV, raising=False)
+
+    async def requests() -> AsyncIterator[bytes]:
+        yield b"fine"
+
+    async with rpc.channel(secured_address, token=token) as ch:
+        calls = [
+            ch.unary_unary("/toy.Toy/Unary")(b"ok"),
+            ch.stream_unary("/toy.Toy/ClientStream")(requests()),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "bearer token" in (info.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as streamed:
+            async for _ in ch.unary_stream("/toy.Toy/ServerStream")(b"ok"):
+                pass
+        assert streamed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Health stays open for probes.
+        health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_call_with_the_token_passes_in_every_method_shape(secured_address: str) -> None:
+    async def requests() -> AsyncIterator[bytes]:
+        yield b"fine"
+
+    async with rpc.channel(secured_address, token="s3cret") as ch:
+        assert await ch.unary_unary("/toy.Toy/Unary")(b"ok") == b"ok"
+        assert await ch.stream_unary("/toy.Toy/ClientStream")(requests()) == b"done"
+        got = [item async for item in ch.unary_stream("/toy.Toy/ServerStream")(b"ok")]
+        assert got == [b"first", b"ok"]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await ch.unary_unary("/toy.Toy/Unary")(b"missing")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND  # the error boundary still answers
+
+
+async def test_the_channel_takes_the_process_token_from_the_environment(
+    secured_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(rpc.TOKEN_ENV, "s3cret")
+    async with rpc.channel(secured_address) as ch:
+        assert await ch.unary_unary("/toy.Toy/Unary")(b"ok") == b"ok"
