@@ -28,7 +28,7 @@ import grpc
 
 from gyre.bus import subjects
 from gyre.config import CommonConfig
-from gyre.errors import InvalidArgument, NotFound
+from gyre.errors import Conflict, InvalidArgument, NotFound
 from gyre.rpc import error_boundary
 from gyre.service import Runtime, Service
 from gyre.v1 import events_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -92,7 +92,11 @@ class SchedulerService(Service):
             snapshot = await self._db(self.snapshot)
             if snapshot is not None:
                 for move in self.policy(len(snapshot.devices)).plan(snapshot):
-                    await self._db(self.start_move, move)
+                    try:
+                        await self._db(self.start_move, move)
+                    except (Conflict, NotFound) as exc:  # the pool changed since the snapshot: next round
+                        self.rt.count_error("start_move", exc)
+                        log.info("move of %s to %s skipped: %s", move.device_id, move.to_role, exc)
             await self.publish_pending()
             try:
                 await asyncio.wait_for(self._stopping.wait(), self.cfg.plan_interval_s)

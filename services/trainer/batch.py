@@ -89,6 +89,21 @@ class PackedBatch:
             self.batch_id, node_offsets=offsets, node_lengths=lengths, node_parents=parents, **fields
         )
 
+    def micro_batches(self, max_tokens: int) -> list[PackedBatch]:
+        """Consecutive runs of whole trees of at most `max_tokens` tokens each (a larger tree is a
+        micro-batch of its own); at least one micro-batch. The loss is a sum over tokens, so the
+        micro-batches' losses and gradients add up to the batch's."""
+        groups: list[list[tuple[int, int]]] = [[]]
+        used = 0
+        for a, b in self.tree_ranges():
+            size = sum(self.node_lengths[a:b])
+            if groups[-1] and used + size > max_tokens:
+                groups.append([])
+                used = 0
+            groups[-1].append((a, b))
+            used += size
+        return [self.select_trees(g) for g in groups]
+
     def split(self, num_shards: int) -> list[PackedBatch]:
         """`num_shards` batches of whole trees with balanced token counts (some may be empty)."""
         trees = self.tree_ranges()

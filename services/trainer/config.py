@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from gyre.config import ConfigModel
@@ -27,7 +29,26 @@ class TrainerConfig(ConfigModel):
         default=0.2,
         gt=0,
         lt=1,
-        description="PPO ratio clip: ratios outside [1-eps, 1+eps] stop the gradient.",
+        description=(
+            "PPO ratio clip, lower side: a token whose ratio fell below 1 - clip_eps (negative advantage) "
+            "or rose above 1 + clip_eps_high (positive advantage) gets no gradient."
+        ),
+    )
+    clip_eps_high: float | None = Field(
+        default=0.28,
+        gt=0,
+        description=(
+            "PPO ratio clip, upper side ('clip-higher', DAPO): a larger bound than clip_eps lets "
+            "unlikely tokens with a positive advantage grow more per step; None = clip_eps (symmetric)."
+        ),
+    )
+    entropy_coef: float = Field(
+        default=0.01,
+        ge=0,
+        description=(
+            "Weight of the entropy bonus (nats, full-vocabulary entropy at each trained token, "
+            "token-mean weighted): keeps sampling diverse so groups keep reward variance; 0 = none."
+        ),
     )
     kl_coef: float = Field(
         default=0.0, ge=0, description="Weight of the KL to the initial (reference) model; 0 = none."
@@ -53,7 +74,25 @@ class TrainerConfig(ConfigModel):
     trajectory_address: str = Field(
         default="127.0.0.1:50052", description="gRPC host:port of the trajectory service."
     )
-    scheduler_address: str = Field(default="127.0.0.1:50051", description="gRPC host:port of the scheduler.")
+    scheduler_address: str | None = Field(
+        default=None,
+        description="Scheduler gRPC 'host:port': the trainer is a worker of the pool and trains only on "
+        "the TRAIN devices it holds a lease for. Unset: standalone, one rank, no leases.",
+    )
+    report_load_interval_s: float = Field(
+        default=1.0, gt=0, description="Seconds between two ReportLoad calls to the scheduler."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="Where a leased TRAIN device trains: `cpu` = every device is a logical slot of this "
+        "CPU; `cuda` = the device's index on its node is cuda:N; `auto` = cuda when available, else cpu.",
+    )
+    micro_batch_tokens: int = Field(
+        default=2048,
+        ge=1,
+        description="Token budget of a micro-batch (whole trees): gradients accumulate over a step's "
+        "micro-batches, and the data-parallel group grows or shrinks between two of them.",
+    )
     dtype: str = Field(
         default="float32", pattern=r"^(float32|bfloat16|float64)$", description="Parameter dtype."
     )

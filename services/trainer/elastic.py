@@ -1,32 +1,40 @@
-"""Elastic data parallelism: a data-parallel group that grows and shrinks at step boundaries.
+"""Elastic data parallelism: one rank per TRAIN device held, resized at micro-batch boundaries.
 
 Rank 0 is the trainer process itself; ranks 1..n-1 are worker processes (multiprocessing
-'spawn', one per additional TRAIN device), each holding a full replica of the model, optimizer
-and (with KL) reference model. Membership changes only in `apply`, which the loop calls between
-steps, and every membership is a new *generation*: a fresh process group built directly from a
-`PrefixStore("gyre-dp/<generation>", TCPStore)` hosted by rank 0 — separate from Megatron's
-one-process default world, which never changes size. Backend: gloo for CPU replicas, NCCL for
-CUDA replicas (the NCCL path has not run on a GPU yet).
+'spawn', one per additional device), each holding a full replica of the model, optimizer and
+(with KL) reference model. Membership changes only in `apply`, which the loop calls at
+micro-batch boundaries, and every membership is a new *generation*: a fresh process group built
+from a `PrefixStore("gyre-dp/<generation>", TCPStore)` hosted by rank 0 — separate from
+Megatron's one-process default world, which never changes size. Backend: gloo for CPU replicas,
+NCCL for CUDA replicas (scripts/gpu_check.sh exercises it; CI has no GPU).
+
+A step is a sequence of micro-batches (gradient accumulation), and the group may change between
+any two of them:
+    micro-batch k:  rank 0 splits it into `size` shards of whole trees and sends shard r to rank r;
+                    ranks >= 1 zero their gradients, every rank backpropagates its shard's loss (a sum
+                    over tokens), and one all-reduce sums the gradients. Rank 0 never zeroes inside
+                    a step, so after the all-reduce *every* rank holds the step's gradient so far.
+    finish:         every rank clips and steps on that same gradient.
+Hence a rank that leaves takes nothing with it, a rank that joins mid-step needs only the
+parameters and optimizer state (broadcast at the join; unchanged inside a step), and the step
+equals the single-process step over the same micro-batches up to float summation order
+(tests/trainer/test_elastic_dp.py: float64, rtol 1e-6).
 
 Guarantees
 - After every resize, every replica holds rank 0's parameters, reference parameters and
   optimizer state bit for bit (rank 0 broadcasts them to the whole new group).
-- Each step, rank 0 splits the batch into `size` shards of whole trees (`PackedBatch.split`),
-  keeps shard 0 and sends shard r to rank r over the worker's pipe; every rank backpropagates
-  its shard's loss (a sum over tokens), gradients are summed with one all-reduce, and every
-  rank clips and steps on the same summed gradient — the step is the single-process step on
-  the whole batch up to float summation order, and replicas stay identical (`replica_digests`).
-- Shrinking tells the highest ranks to leave and waits for their processes to exit, so a
-  device is free once `apply` returns. Growing starts workers without blocking; they join at
-  the first boundary after they are ready (or at once with `apply(wait=True)`).
-- A worker that dies or fails makes the next collective or pipe read raise (the gloo timeout
-  bounds a hang), which ends the trainer's step loop; the run resumes from its checkpoint.
+- Ranks are tied to devices: a released device's rank leaves and its process has exited when
+  `apply` returns. When rank 0's own device is released while others are held, rank 0 moves onto
+  one of them (the worker there retires); with no device held, rank 0 is parked on the CPU.
+- Growing starts workers without blocking; they join at the first boundary after they are ready
+  (or at once with `apply(wait=True)`).
+- A worker that dies or fails makes the next collective or pipe read raise (the collective
+  timeout bounds a hang), which ends the trainer's step loop; the run resumes from its checkpoint.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import hashlib
 import logging
 import multiprocessing
@@ -146,7 +154,7 @@ def make_process_group(store: Any, generation: int, rank: int, size: int, backen
     """A process group of generation `generation` (blocks until all `size` ranks have joined)."""
     prefixed = dist.PrefixStore(f"gyre-dp/{generation}", store)
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    if backend == "nccl":  # untested: no GPU has run this path yet
+    if backend == "nccl":  # scripts/gpu_check.sh runs this path on a GPU host
         nccl_options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
         nccl_options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, size, nccl_options)  # type: ignore[attr-defined]
@@ -157,9 +165,11 @@ def make_process_group(store: Any, generation: int, rank: int, size: int, backen
 
 
 def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Batch metrics from shard metrics: sums add up, ratio-like means are token-weighted,
-    everything else (grad_norm: equal on every rank) is rank 0's."""
-    out = dict(parts[0])
+    """Step metrics from shard metrics (every rank, every micro-batch): sums add up, ratio-like
+    means are token-weighted, everything else (grad_norm: equal on every rank) is the first's."""
+    out: dict[str, float] = {}
+    for part in reversed(parts):  # the first part that has a key wins (rank 0's, if it has it)
+        out.update(part)
     for key in ("loss", "num_tokens", "num_trained_tokens"):
         out[key] = sum(p.get(key, 0.0) for p in parts)
     total = out["num_trained_tokens"]
@@ -184,6 +194,7 @@ class ReplicaSpec:
 
 @dataclass
 class _Worker:
+    device_id: str
     process: multiprocessing.process.BaseProcess
     conn: Connection
     ready: bool = False
@@ -208,9 +219,10 @@ def _expect(worker: _Worker, kind: str) -> Any:
 
 
 class ElasticGroup:
-    """The data-parallel group as rank 0 sees it; the `Trainer.dp` interface plus resizing.
+    """The data-parallel group as rank 0 sees it: one rank per device, resized by `apply`.
 
-    Not thread-safe: the trainer calls it only at step boundaries and inside a step (one thread).
+    Not thread-safe: the trainer calls it only at micro-batch boundaries and inside a micro-batch
+    (one thread at a time).
     """
 
     rank = 0
@@ -220,48 +232,66 @@ class ElasticGroup:
         model: Any,
         optimizer: torch.optim.Optimizer,
         ref_model: Any | None,
-        spec_of: Callable[[int], Any],
+        spec_of: Callable[[str], ReplicaSpec],
+        move_rank0: Callable[[str | None], None] = lambda device_id: None,
     ) -> None:
-        """`spec_of(rank)` -> the ReplicaSpec of a worker at that rank."""
-        self.model, self.optimizer, self.ref_model, self.spec_of = model, optimizer, ref_model, spec_of
-        self.store = dist.TCPStore(
-            STORE_HOST,
-            0,
-            None,
-            True,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-            wait_for_workers=False,
-        )
+        """`spec_of(device_id)` -> the ReplicaSpec of a worker on that device; `move_rank0(device_id)`
+        puts rank 0's replica on that device (None: park it off every leased device)."""
+        self.model, self.optimizer, self.ref_model = model, optimizer, ref_model
+        self.spec_of, self.move_rank0 = spec_of, move_rank0
+        self.store: Any = None
         self.ctx = multiprocessing.get_context("spawn")
+        self.home: str | None = None  # rank 0's device
         self.members: list[_Worker] = []  # joined workers; rank = index + 1
         self.booting: list[_Worker] = []  # started, joining at a later boundary
-        self.target = 1
+        self.wanted: list[str] = []
         self.generation = 0
         self.pg: Any = None
-        self.backend = "nccl" if next(model.parameters()).is_cuda else "gloo"
+        self.backend = "gloo"
 
     @property
     def size(self) -> int:
-        return 1 + len(self.members)
+        """Ranks training now: 0 while no device is held (rank 0 parked)."""
+        return 0 if self.home is None else 1 + len(self.members)
 
-    def request_size(self, size: int) -> None:
-        """Ask for `size` ranks (>= 1); takes effect at the next `apply`."""
-        self.target = max(1, int(size))
+    @property
+    def device_ids(self) -> list[str]:
+        """Devices of the ranks, in rank order."""
+        return ([self.home] if self.home else []) + [w.device_id for w in self.members]
+
+    def request_devices(self, device_ids: list[str]) -> None:
+        """One rank per device in `device_ids`; takes effect at the next `apply`."""
+        self.wanted = list(dict.fromkeys(device_ids))
+
+    def settled(self) -> bool:
+        """The ranks are exactly the wanted devices (nothing to apply)."""
+        return set(self.device_ids) == set(self.wanted) and not self.booting
 
     def apply(self, wait: bool = False) -> bool:
-        """At a step boundary: move toward the target size; True when the membership changed.
+        """At a micro-batch boundary: move toward the wanted devices; True when the ranks changed.
 
-        Shrinking happens at once (leavers have exited on return). Growing joins workers that
-        are ready; with `wait`, it first waits until every missing worker is ready.
+        Leaving happens at once (leavers have exited on return). Joining takes workers that are
+        ready; with `wait`, it first waits until every missing worker is ready.
         """
+        wanted = set(self.wanted)
         changed = False
-        while self.size > self.target:
-            self._retire(self.members.pop())
-            changed = True
-        while self.size + len(self.booting) > self.target and self.booting:
-            self._retire(self.booting.pop())
-        while self.size + len(self.booting) < self.target:
-            self.booting.append(self._start(self.size + len(self.booting)))
+        for w in [w for w in self.members + self.booting if w.device_id not in wanted]:
+            self._retire(w)
+            changed |= w in self.members
+        self.members = [w for w in self.members if w.device_id in wanted]
+        self.booting = [w for w in self.booting if w.device_id in wanted]
+        if self.home not in wanted:
+            new_home = next((d for d in self.wanted), None)
+            for w in [w for w in self.members + self.booting if w.device_id == new_home]:
+                self._retire(w)  # rank 0 takes this device over from its worker
+            self.members = [w for w in self.members if w.device_id != new_home]
+            self.booting = [w for w in self.booting if w.device_id != new_home]
+            self.move_rank0(new_home)
+            self.home, changed = new_home, True
+        have = {w.device_id for w in self.members + self.booting} | {self.home}
+        for device_id in self.wanted:
+            if device_id not in have:
+                self.booting.append(self._start(device_id))
         joining = [w for w in self.booting if w.poll_ready(None if wait else 0.0)]
         if joining:
             self.booting = [w for w in self.booting if w not in joining]
@@ -271,16 +301,26 @@ class ElasticGroup:
             self._new_generation()
         return changed
 
-    def _start(self, rank: int) -> _Worker:
+    def _start(self, device_id: str) -> _Worker:
+        if self.store is None:
+            self.store = dist.TCPStore(
+                STORE_HOST,
+                0,
+                None,
+                True,
+                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                wait_for_workers=False,
+            )
         parent, child = self.ctx.Pipe()
-        spec = self.spec_of(rank)
+        spec = self.spec_of(device_id)
+        self.backend = spec.backend
         proc = self.ctx.Process(
             target=worker_main, args=(child, STORE_HOST, self.store.port, spec), daemon=True
         )
         proc.start()
         child.close()
-        log.info("data-parallel worker for rank %d starting (pid %s)", rank, proc.pid)
-        return _Worker(proc, parent)
+        log.info("data-parallel worker for %s starting on %s (pid %s)", device_id, spec.device, proc.pid)
+        return _Worker(device_id, proc, parent)
 
     def _retire(self, worker: _Worker) -> None:
         try:
@@ -296,8 +336,8 @@ class ElasticGroup:
     def _new_generation(self) -> None:
         self.generation += 1
         self.pg = None
-        if self.size == 1:
-            log.info("data-parallel group generation %d: size 1", self.generation)
+        if self.size <= 1:
+            log.info("data-parallel group generation %d: size %d", self.generation, self.size)
             return
         skeleton = optimizer_skeleton(self.optimizer)
         for rank, w in enumerate(self.members, start=1):
@@ -306,26 +346,37 @@ class ElasticGroup:
         sync_replica(self.pg, self.model, self.optimizer, self.ref_model)
         for w in self.members:
             _expect(w, "joined")
-        log.info("data-parallel group generation %d: size %d", self.generation, self.size)
+        log.info(
+            "data-parallel group generation %d: size %d on %s", self.generation, self.size, self.device_ids
+        )
 
-    # -- Trainer.dp interface --
+    # -- one micro-batch, one step --
 
-    def shard(self, batch: PackedBatch) -> PackedBatch:
-        """Rank 0's shard; the other shards go to their ranks, which start their step at once."""
-        if self.size == 1:
-            return batch
-        shards = batch.split(self.size)
+    def scatter(self, micro: PackedBatch) -> PackedBatch:
+        """Rank 0's shard of a micro-batch; the other shards go to their ranks, which start at once."""
+        if not self.members:
+            return micro
+        shards = micro.split(self.size)
         for w, s in zip(self.members, shards[1:], strict=True):
-            w.conn.send(("step", pickle.dumps(s)))
+            w.conn.send(("micro", pickle.dumps(s)))
         return shards[0]
 
     def reduce_gradients(self, model: Any) -> None:
         if self.pg is not None:
             allreduce_gradients(self.pg, model)
 
-    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The batch's metrics (waits for every rank to have finished its step)."""
-        return combine_metrics([metrics] + [_expect(w, "metrics") for w in self.members])
+    def gather_metrics(self) -> list[dict[str, float]]:
+        """The other ranks' metrics of the micro-batch (waits until each finished it)."""
+        return [_expect(w, "metrics") for w in self.members]
+
+    def finish_step(self) -> None:
+        """Tell the other ranks to clip and step (rank 0 does the same on the same gradient)."""
+        for w in self.members:
+            w.conn.send(("finish",))
+
+    def wait_finished(self) -> None:
+        for w in self.members:
+            _expect(w, "finished")
 
     def replica_digests(self) -> list[str]:
         """Digest of parameters + optimizer state of every rank, in rank order."""
@@ -349,7 +400,7 @@ def worker_main(conn: Connection, store_host: str, store_port: int, spec: Replic
     """Build a replica, then serve rank 0's commands until told to leave or the pipe closes."""
     try:
         from services.trainer.config import TrainerConfig
-        from services.trainer.loop import build_replica, train_on_shard
+        from services.trainer.loop import backward_micro, build_replica, finish_step
 
         cfg = TrainerConfig.model_validate_json(spec.trainer_config_json)
         if spec.device.startswith("cuda"):
@@ -371,19 +422,16 @@ def worker_main(conn: Connection, store_host: str, store_port: int, spec: Replic
                 pg = make_process_group(store, generation, rank, size, spec.backend)
                 sync_replica(pg, model, optimizer, ref_model)
                 conn.send(("joined",))
-            elif msg[0] == "step":
+            elif msg[0] == "micro":
                 shard: PackedBatch = pickle.loads(msg[1])
                 param = next(model.parameters())
-                metrics = train_on_shard(
-                    model,
-                    optimizer,
-                    shard.to(param.device, param.dtype),
-                    settings,
-                    ref_model,
-                    cfg.grad_clip,
-                    functools.partial(allreduce_gradients, pg),
-                )
+                optimizer.zero_grad(set_to_none=False)  # rank 0 alone carries the step's sum so far
+                metrics = backward_micro(model, shard.to(param.device, param.dtype), settings, ref_model)
+                allreduce_gradients(pg, model)
                 conn.send(("metrics", metrics))
+            elif msg[0] == "finish":
+                finish_step(model, optimizer, cfg.grad_clip)
+                conn.send(("finished",))
             elif msg[0] == "digest":
                 conn.send(("digest", replica_digest(model, optimizer)))
             elif msg[0] == "leave":

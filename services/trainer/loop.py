@@ -1,13 +1,22 @@
-"""The trainer's step loop.
+"""The trainer's step loop: micro-batches, data parallelism over the TRAIN devices held.
 
     restore (checkpoint + journal) -> ack what the checkpoint covers
-    loop:  pull batch (replayed ids first) -> journal it -> forward/backward (DP shard, grads summed)
-           -> optimizer step -> publish weight version -> every N steps: checkpoint, ack covered batches
-    at each step boundary: apply a pending data-parallel resize (services.trainer.elastic)
+    loop:  [boundary] pull batch (replayed ids first) -> journal it
+           for each micro-batch (whole trees, <= micro_batch_tokens):
+               [boundary] -> shard over the ranks -> backward (gradients accumulate) -> all-reduce
+           clip + optimizer step on every rank -> publish weight version -> every N steps: checkpoint
+    [boundary] = the data-parallel group follows the devices held (services.trainer.elastic):
+                 ranks leave or join here, and with no device held the loop waits here.
 
-Waits on: PullBatch (up to `pull_wait_s` when no scored groups are ready — back-pressure from the
-trajectory service), the weights event's JetStream ack. Guarantee: the model in the newest checkpoint
-has trained every acked batch exactly once (see checkpoint.py).
+The pulled batch is cut into micro-batches; a micro-batch is not streamed from the trajectory
+service as its groups are scored (the whole batch is pulled first). Devices lent or taken back
+mid-step are used or given up at the next micro-batch boundary, and the step is exact across the
+resize (elastic.py). Standalone (no scheduler: `devices` never set) the loop trains on one rank.
+
+Waits on: the devices (none held: no pull, no training), PullBatch (up to `pull_wait_s` when no
+scored groups are ready — back-pressure from the trajectory service), the weights event's
+JetStream ack. Guarantee: the model in the newest checkpoint has trained every acked batch
+exactly once (see checkpoint.py).
 """
 
 from __future__ import annotations
@@ -28,26 +37,11 @@ from services.trainer.batch import PackedBatch
 from services.trainer.checkpoint import CheckpointStore, Journal, TrainState
 from services.trainer.config import TrainerConfig
 from services.trainer.data import BatchSource
-from services.trainer.elastic import ElasticGroup, ReplicaSpec
+from services.trainer.elastic import ElasticGroup, ReplicaSpec, combine_metrics
 from services.trainer.loss import LossSettings, tree_loss
 
 WeightsSink = Callable[[common_pb2.WeightVersion, dict[str, float]], Awaitable[None]]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-class SingleProcess:
-    """Data parallelism of one rank (the elastic group replaces it when devices are granted)."""
-
-    rank, size = 0, 1
-
-    def shard(self, batch: PackedBatch) -> PackedBatch:
-        return batch
-
-    def reduce_gradients(self, model: Any) -> None:
-        return None
-
-    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        return metrics
 
 
 def build_replica(
@@ -61,7 +55,7 @@ def build_replica(
         load_initial_weights(model, cfg.init_weights)
     ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return model, optimizer, ref_model, LossSettings(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
+    return model, optimizer, ref_model, LossSettings.from_config(cfg)
 
 
 def train_on_shard(
@@ -85,18 +79,53 @@ def train_on_shard(
     return metrics
 
 
+def backward_micro(
+    model: Any, shard: PackedBatch, settings: LossSettings, ref_model: Any | None
+) -> dict[str, float]:
+    """Backpropagate one micro-batch shard's loss, adding to the gradients already there.
+    An empty shard adds nothing (its rank still takes part in the all-reduce)."""
+    if shard.num_tokens == 0:
+        return {"loss": 0.0, "num_tokens": 0.0, "num_trained_tokens": 0.0}
+    model.train()
+    loss, metrics = tree_loss(model, shard, settings, ref_model)
+    loss.backward()
+    return metrics
+
+
+def finish_step(model: Any, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
+    """Clip the accumulated gradient and take the optimizer step; returns the pre-clip norm (0: no clip)."""
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)) if grad_clip else 0.0
+    optimizer.step()
+    return norm
+
+
+class StepAbandoned(Exception):
+    """The trainer stopped mid-step while holding no device; the batch is replayed on restart."""
+
+
 class Trainer:
     def __init__(
         self, cfg: TrainerConfig, run_dir: Path, source: BatchSource, publish: WeightsSink, seed: int = 0
     ) -> None:
         self.cfg, self.run_dir, self.source, self.publish_sink = cfg, Path(run_dir), source, publish
-        self.model, self.optimizer, self.ref_model, self.loss_settings = build_replica(cfg, seed=seed)
+        self.model, self.optimizer, self.ref_model, self.loss_settings = build_replica(
+            cfg, device=torch_device(cfg.device, None), seed=seed
+        )
         self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
-        self.dp: SingleProcess | ElasticGroup = SingleProcess()
-        self.dp_target = 1
+        self.device_index: dict[str, int] = {}  # leased device -> its index on its node (cuda:N)
+        self.dp = ElasticGroup(self.model, self.optimizer, self.ref_model, self.replica_spec, self.move_rank0)
+        self.dp.request_devices([STANDALONE_DEVICE])
+        self.dp.apply()
         self.stopping = False
         self.step_lock = asyncio.Lock()
+        self.boundary = asyncio.Condition()  # notified after every boundary
+        self.parked = False  # waiting at a boundary for a device
+        self.boundary_hooks: list[Callable[[], Awaitable[None]]] = []  # awaited at every boundary
+        self.step_in_progress = False
+        self.micro_left = 0  # micro-batches of the current step not trained yet
+        self.micro_device_s = 0.0  # measured device-seconds of the last micro-batch
         self.last_metrics: dict[str, float] = {}
+        self.last_batch_groups = 0  # scored groups in the last batch pulled
         self.latest_weights = common_pb2.WeightVersion()
         self.state = self.store.load_latest(self.model, self.optimizer) or TrainState()
         self.journal = self.store.read_journal()
@@ -104,18 +133,80 @@ class Trainer:
         trained = set(self.state.trained_batch_ids)
         self.replay = [b for b in self.journal.pulled_batch_ids if b not in trained]
 
+    # -- devices ------------------------------------------------------------------------------------
+    def set_devices(self, device_ids: list[str]) -> None:
+        """Train on exactly these leased devices (one rank each); applied at the next boundary.
+        An empty list parks the loop at its next boundary (it trains nothing until a device comes)."""
+        self.dp.request_devices(sorted(device_ids))
+
+    async def wait_devices_applied(self) -> None:
+        """Return once the group's ranks are the devices last set (a released device is free)."""
+        async with self.boundary:
+            await self.boundary.wait_for(
+                lambda: self.stopping or set(self.dp.device_ids) <= set(self.dp.wanted)
+            )
+
+    async def at_boundary(self) -> None:
+        """A micro-batch boundary: apply the devices held; with none, wait (never train)."""
+        for hook in self.boundary_hooks:
+            await hook()
+        while True:
+            if not self.dp.settled():
+                await asyncio.to_thread(self.dp.apply)
+            async with self.boundary:
+                self.parked = self.dp.size == 0
+                self.boundary.notify_all()
+                if not self.parked or self.stopping:
+                    return
+                await self.boundary.wait()  # set_devices or stop notifies
+
+    async def wake(self) -> None:
+        """Tell a loop parked at a boundary to look at its devices again."""
+        async with self.boundary:
+            self.boundary.notify_all()
+
+    def replica_spec(self, device_id: str) -> ReplicaSpec:
+        device = torch_device(self.cfg.device, self.device_index.get(device_id))
+        return ReplicaSpec(
+            self.cfg.model_dump_json(), device=device, backend="nccl" if device.startswith("cuda") else "gloo"
+        )
+
+    def move_rank0(self, device_id: str | None) -> None:
+        """Rank 0's replica onto the device of `device_id` (None: the CPU, holding no device)."""
+        target = torch.device(
+            "cpu" if device_id is None else torch_device(self.cfg.device, self.device_index.get(device_id))
+        )
+        if next(self.model.parameters()).device == target:
+            return
+        for module in (self.model, self.ref_model):
+            if module is not None:
+                module.to(target)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    state[k] = v.to(target)
+
+    def close(self) -> None:
+        """Stop the data-parallel workers (the trainer itself stays usable as one rank)."""
+        self.dp.close()
+
+    # -- the loop -----------------------------------------------------------------------------------
     async def run(self, max_steps: int = 0) -> None:
         """Train until stopped or `max_steps` optimizer steps (this call's or cfg.max_steps) are done."""
         await self.ack_covered()
         limit = max_steps or self.cfg.max_steps
         while not self.stopping and not (limit and self.state.step >= limit):
+            await self.at_boundary()
+            if self.stopping:
+                break
             batch = await self.next_batch()
             if batch is None:
                 continue
-            async with self.step_lock:  # lease releases and SaveCheckpoint wait for the step boundary
-                if self.dp_target != self.dp.size or (isinstance(self.dp, ElasticGroup) and self.dp.booting):
-                    await asyncio.to_thread(self.apply_dp_size, False)
-                metrics = await asyncio.to_thread(self.train_step, batch)
+            async with self.step_lock:  # SaveCheckpoint waits for the step boundary
+                try:
+                    metrics = await self.train_step(batch)
+                except StepAbandoned:
+                    break  # not acked: the journal replays the batch after a restart
                 await self.publish_weights(metrics)
                 if self.state.step % self.cfg.checkpoint_every == 0:
                     self.save_checkpoint()
@@ -126,86 +217,86 @@ class Trainer:
         batch = await self.source.pull(self.journal.last_published_version, resume_batch_id=resume)
         if batch is None or batch.batch_id in self.state.trained_batch_ids:
             return None  # a redelivered batch this model already trained: skipped (acked at checkpoint)
+        self.last_batch_groups = len(set(batch.group_ids))
         if batch.batch_id not in self.journal.pulled_batch_ids:
             self.journal.pulled_batch_ids.append(batch.batch_id)
             self.store.write_journal(self.journal)
         return batch
 
-    def request_dp_size(self, size: int) -> None:
-        """Ask for `size` data-parallel ranks (one per TRAIN device held, at least 1); the loop
-        applies it at the next step boundary (growing: once the new workers are ready)."""
-        self.dp_target = max(1, int(size))
-
-    def apply_dp_size(self, wait: bool = False) -> bool:
-        """Resize the data-parallel group toward `dp_target` now; call only at a step boundary
-        (holding `step_lock`). True when the membership changed. See services.trainer.elastic."""
-        if isinstance(self.dp, SingleProcess):
-            if self.dp_target == 1:
-                return False
-            self.dp = ElasticGroup(self.model, self.optimizer, self.ref_model, self.replica_spec)
-        self.dp.request_size(self.dp_target)
-        return self.dp.apply(wait=wait)
-
-    def replica_spec(self, rank: int) -> ReplicaSpec:
-        device = next(self.model.parameters()).device
-        on_cuda = device.type == "cuda"
-        return ReplicaSpec(
-            self.cfg.model_dump_json(),
-            device=f"cuda:{rank}" if on_cuda else "cpu",  # untested: one local GPU per rank
-            backend="nccl" if on_cuda else "gloo",
-        )
-
-    def close(self) -> None:
-        """Stop the data-parallel workers (the trainer itself stays usable as one rank)."""
-        if isinstance(self.dp, ElasticGroup):
-            self.dp.close()
-        self.dp = SingleProcess()
-
-    def train_step(self, batch: PackedBatch) -> dict[str, float]:
+    async def train_step(self, batch: PackedBatch) -> dict[str, float]:
+        """One optimizer step over `batch`, micro-batch by micro-batch, resizing at each boundary."""
         start = time.perf_counter()
-        shard = self.dp.shard(batch).to(next(self.model.parameters()).device, DTYPES[self.cfg.dtype])
-        metrics = train_on_shard(
-            self.model,
-            self.optimizer,
-            shard,
-            self.loss_settings,
-            self.ref_model,
-            self.cfg.grad_clip,
-            self.dp.reduce_gradients,
-        )
+        micro_batches = batch.micro_batches(self.cfg.micro_batch_tokens)
+        self.step_in_progress, self.micro_left = True, len(micro_batches)
+        self.optimizer.zero_grad(set_to_none=False)
+        parts: list[dict[str, float]] = []
+        sizes: list[int] = []
+        try:
+            for micro in micro_batches:
+                await self.at_boundary()
+                if self.dp.size == 0:  # stopping while no device is held: the step is abandoned
+                    raise StepAbandoned(batch.batch_id)
+                t0, size = time.perf_counter(), self.dp.size
+                parts += await asyncio.to_thread(self._micro, micro)
+                self.micro_device_s = (time.perf_counter() - t0) * size
+                self.micro_left -= 1
+                sizes.append(size)
+            grad_norm = await asyncio.to_thread(self._finish)
+        finally:
+            self.step_in_progress, self.micro_left = False, 0
         self.state.step += 1
         self.state.trained_batch_ids.append(batch.batch_id)
-        metrics = self.dp.reduce_metrics(metrics)
+        metrics = combine_metrics(parts)
         metrics.update(
-            step=float(self.state.step), dp_size=float(self.dp.size), step_s=time.perf_counter() - start
+            step=float(self.state.step),
+            dp_size=float(self.dp.size),
+            dp_size_mean=sum(sizes) / len(sizes),
+            num_micro_batches=float(len(micro_batches)),
+            step_s=time.perf_counter() - start,
         )
+        if self.cfg.grad_clip:
+            metrics["grad_norm"] = grad_norm
         metrics["num_paths"] = float(batch.num_paths)
         if batch.num_paths:
             metrics["reward_mean"] = batch.reward_sum / batch.num_paths
         self.last_metrics = metrics
         return metrics
 
+    def _micro(self, micro: PackedBatch) -> list[dict[str, float]]:
+        param = next(self.model.parameters())
+        shard = self.dp.scatter(micro).to(param.device, DTYPES[self.cfg.dtype])
+        metrics = backward_micro(self.model, shard, self.loss_settings, self.ref_model)
+        self.dp.reduce_gradients(self.model)
+        return [metrics, *self.dp.gather_metrics()]
+
+    def _finish(self) -> float:
+        self.dp.finish_step()
+        norm = finish_step(self.model, self.optimizer, self.cfg.grad_clip)
+        self.dp.wait_finished()
+        return norm
+
+    def remaining_work_device_s(self) -> float:
+        """Estimated device-seconds left in the current step (0 when none runs)."""
+        return self.micro_left * self.micro_device_s if self.step_in_progress else 0.0
+
     async def publish_weights(self, metrics: dict[str, float]) -> None:
         """Write version v (safetensors + sha256) to run_dir/weights and announce it (rank 0 only)."""
         self.state.version = self.journal.last_published_version + 1
-        if self.dp.rank == 0:
-            path = (self.run_dir / "weights" / f"v{self.state.version:06d}.safetensors").resolve()
-            digest = save_weights(self.model, path)
-            self.latest_weights = common_pb2.WeightVersion(
-                version=self.state.version,
-                uri=path.as_uri(),
-                sha256=digest,
-                train_step=self.state.step,
-                created_unix_s=time.time(),
-                num_bytes=path.stat().st_size,
-            )
-            await self.publish_sink(self.latest_weights, metrics)
+        path = (self.run_dir / "weights" / f"v{self.state.version:06d}.safetensors").resolve()
+        digest = save_weights(self.model, path)
+        self.latest_weights = common_pb2.WeightVersion(
+            version=self.state.version,
+            uri=path.as_uri(),
+            sha256=digest,
+            train_step=self.state.step,
+            created_unix_s=time.time(),
+            num_bytes=path.stat().st_size,
+        )
+        await self.publish_sink(self.latest_weights, metrics)
         self.journal.last_published_version = self.state.version
         self.store.write_journal(self.journal)
 
     def save_checkpoint(self) -> Path | None:
-        if self.dp.rank != 0:
-            return None
         return self.store.save(self.model, self.optimizer, self.state)
 
     async def ack_covered(self) -> None:
@@ -216,11 +307,23 @@ class Trainer:
         )
         done = [b for b in self.journal.pulled_batch_ids if b in covered]
         for batch_id in done:
-            if self.dp.rank == 0:
-                await self.source.ack(batch_id, self.state.version)
+            await self.source.ack(batch_id, self.state.version)
         if done:
             self.journal = Journal(
                 [b for b in self.journal.pulled_batch_ids if b not in covered],
                 self.journal.last_published_version,
             )
             self.store.write_journal(self.journal)
+
+
+STANDALONE_DEVICE = "local"  # the one rank of a trainer without a scheduler
+
+
+def torch_device(kind: str, index: int | None) -> str:
+    """The torch device of a leased device: `cpu` slots are logical (every rank on the CPU);
+    `cuda` maps the device's index on its node to cuda:N; `auto` is cuda when available."""
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
+        return "cpu"
+    return f"cuda:{index or 0}"

@@ -1,26 +1,43 @@
 """The trainer service: the step loop, gRPC Trainer (GetStatus, SaveCheckpoint), weights events, leases.
 
-Leases: a GRANTED LeaseEvent whose target holder is this worker is acquired through the scheduler
-(`Acquire` with the event's epoch) and raises the data-parallel target to the number of devices
-held; the loop grows the group at the first step boundary after the new worker is ready. A
-REASSIGN of a held device waits for the step in flight, shrinks the group at once (the leaving
-worker has exited), and only then `Release`s the device. GetStatus reports the devices held and
-the group's size now (it lags the devices while a new worker boots). A stale epoch is refused by
-the scheduler and logged; the event stream may redeliver events, and Acquire/Release are
-idempotent on (device, epoch) at the scheduler.
+    start:  Trainer (restore) -> gRPC Trainer -> with a scheduler: a worker of the pool
+            (gyre.lease_client.LeaseClient: RegisterWorker, gyre.leases.<run>.*, Heartbeat, ReportLoad)
+            -> the step loop
+    stop:   the loop stops at its next boundary -> checkpoint -> ack -> data-parallel workers exit
+
+The trainer trains only on devices it holds a TRAIN lease for: one data-parallel rank per device,
+none held = the loop waits at a micro-batch boundary and trains nothing (services.trainer.loop).
+A GRANTED lease is acquired (with the event's epoch) and its rank joins at the next micro-batch
+boundary; a REASSIGN of a held device makes its rank leave at the next micro-batch boundary, and
+only then is the device released. ReportLoad tells the scheduler the trainer's demand: scored
+groups waiting in the trajectory service (GetStats), the step in progress and its remaining
+device-seconds, the last step time, the weight version and the ranks training now.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
+
+import grpc
 
 import gyre.rpc
 from gyre.bus import Bus, subjects
 from gyre.config import CommonConfig
+from gyre.lease_client import LeaseClient
 from gyre.service import Runtime, Service
-from gyre.v1 import common_pb2, events_pb2, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from gyre.v1 import (
+    common_pb2,
+    events_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+    trajectory_pb2,
+    trajectory_pb2_grpc,
+)
 from services.trainer.config import TrainerConfig
 from services.trainer.data import TrajectoryBatchSource
 from services.trainer.loop import Trainer
@@ -50,7 +67,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             step=t.state.step,
             latest_weights=t.latest_weights,
             dp_size=t.dp.size,
-            device_ids=sorted(self.service.devices),
+            device_ids=sorted(self.service.devices.held),
             last_metrics=t.last_metrics,
             state=self.service.state,
         )
@@ -64,14 +81,44 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.SaveCheckpointResponse(path=str(path or ""), step=t.state.step)
 
 
+class TrainDevices:
+    """The trainer's part of the lease protocol (a gyre.lease_client.DeviceUser): one rank per device."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.held: set[str] = set()
+        self.pool: dict[str, int] = {}  # device of the pool -> its index on its node (from GetPool)
+
+    def knows(self, device_id: str) -> bool:
+        return device_id in self.pool
+
+    def using(self, device_id: str) -> bool:
+        return device_id in self.held
+
+    async def start_using(self, device_id: str) -> None:
+        """The device's rank joins at the next micro-batch boundary (returns at once)."""
+        self.held.add(device_id)
+        self.trainer.device_index[device_id] = self.pool.get(device_id, 0)
+        self.trainer.set_devices(sorted(self.held))
+        await self.trainer.wake()
+
+    async def stop_using(self, device_id: str) -> None:
+        """Returns once the device's rank has left the group (at a micro-batch boundary)."""
+        self.held.discard(device_id)
+        self.trainer.set_devices(sorted(self.held))
+        await self.trainer.wake()
+        await self.trainer.wait_devices_applied()
+
+
 class TrainerService(Service):
     name = "trainer"
 
     def __init__(self, common: CommonConfig, cfg: TrainerConfig) -> None:
         self.common, self.cfg = common, cfg
-        self.devices: dict[str, int] = {}  # device_id -> epoch held
         self.state = common_pb2.SERVICE_STATE_STARTING
         self.trainer: Trainer
+        self.devices: TrainDevices
+        self.backlog_groups = 0
 
     async def start(self, rt: Runtime) -> None:
         self.rt = rt
@@ -89,42 +136,79 @@ class TrainerService(Service):
         self.trainer = await asyncio.to_thread(
             Trainer, self.cfg, self.common.run_dir, source, sink, self.common.seed
         )
+        self.devices = TrainDevices(self.trainer)
         trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(self), rt.server)
-        self.scheduler = scheduler_pb2_grpc.SchedulerStub(gyre.rpc.channel(self.cfg.scheduler_address))
-        self.leases = await rt.bus.consume(
-            subjects.leases(self.common.run_id, "*"),
-            events_pb2.LeaseEvent,
-            self.on_leases,
-            durable=f"trainer-leases-{self.cfg.worker_id}",
-        )
+        if self.cfg.scheduler_address is not None:
+            await self._join_pool(rt)
         rt.spawn(self.trainer.run(), "train-loop")
         self.state = common_pb2.SERVICE_STATE_SERVING
 
-    async def on_leases(self, events: list[events_pb2.LeaseEvent]) -> None:
-        me = self.cfg.worker_id
-        for ev in events:
-            lease = ev.lease
-            if ev.kind == events_pb2.LeaseEvent.KIND_GRANTED and lease.target_holder == me:
-                await self.scheduler.Acquire(
-                    scheduler_pb2.AcquireRequest(worker_id=me, device_id=lease.device_id, epoch=lease.epoch)
+    async def _join_pool(self, rt: Runtime) -> None:
+        """Become a worker of the pool: no device until the scheduler grants one."""
+        assert self.cfg.scheduler_address is not None
+        self.trainer.set_devices([])
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(gyre.rpc.channel(self.cfg.scheduler_address))
+        self.trajectory = trajectory_pb2_grpc.TrajectoryStub(gyre.rpc.channel(self.cfg.trajectory_address))
+        self.leases = LeaseClient(
+            self.cfg.worker_id,
+            "trainer",
+            self.scheduler,
+            self.devices,
+            self.load,
+            address=f"127.0.0.1:{rt.port}",
+        )
+        await self.refresh_pool()
+        await self.leases.register()
+        self.consumer = await rt.bus.consume(
+            subjects.leases(self.common.run_id, "*"),
+            events_pb2.LeaseEvent,
+            self.leases.on_events,
+            durable=f"trainer-leases-{self.cfg.worker_id}",
+        )
+        rt.spawn(self.leases.heartbeat_forever(), "heartbeat")
+        rt.spawn(self._watch_backlog(), "watch-backlog")
+        rt.spawn(self.leases.report_load_forever(self.cfg.report_load_interval_s), "report-load")
+
+    async def refresh_pool(self) -> None:
+        """The pool's devices and their node indices (what `trainer.device: cuda` maps to cuda:N)."""
+        pool = await self.scheduler.GetPool(scheduler_pb2.GetPoolRequest())
+        self.devices.pool = {d.device_id: d.index for d in pool.devices}
+
+    async def _watch_backlog(self) -> None:
+        """Keep the scored groups waiting in the trajectory service, and the pool's devices, fresh."""
+        while True:
+            try:
+                stats = await self.trajectory.GetStats(
+                    trajectory_pb2.GetStatsRequest(run_id=self.common.run_id)
                 )
-                self.devices[lease.device_id] = lease.epoch
-                self.trainer.request_dp_size(len(self.devices))  # grows at a step boundary
-            elif ev.kind == events_pb2.LeaseEvent.KIND_REASSIGN and lease.device_id in self.devices:
-                async with self.trainer.step_lock:  # the step in flight finishes first
-                    self.trainer.request_dp_size(len(self.devices) - 1)
-                    await asyncio.to_thread(self.trainer.apply_dp_size)  # the leaving rank has exited
-                    await self.scheduler.Release(
-                        scheduler_pb2.ReleaseRequest(
-                            worker_id=me, device_id=lease.device_id, epoch=lease.epoch
-                        )
-                    )
-                    self.devices.pop(lease.device_id, None)
+                self.backlog_groups = int(stats.values.get("groups_state_scored", 0.0))
+                await self.refresh_pool()
+            except grpc.aio.AioRpcError as exc:  # a peer briefly away: the last figures stand
+                self.rt.count_error("watch_backlog", exc)
+            await asyncio.sleep(self.cfg.report_load_interval_s)
+
+    def load(self) -> scheduler_pb2.WorkerLoad:
+        """The trainer's demand as the scheduler's policies read it. Backlog batches: the waiting
+        scored groups in batches the size of the last one pulled, plus the step in progress (its
+        batch is not trained yet), so a trainer mid-step still asks for devices."""
+        t = self.trainer
+        per_batch = t.last_batch_groups or 1
+        return scheduler_pb2.WorkerLoad(
+            trainer_backlog_batches=math.ceil(self.backlog_groups / per_batch) + int(t.step_in_progress),
+            trainer_step_s=t.last_metrics.get("step_s", 0.0),
+            weight_version=t.state.version,
+            trainer_backlog_groups=self.backlog_groups,
+            trainer_step_in_progress=t.step_in_progress,
+            trainer_remaining_work_device_s=t.remaining_work_device_s(),
+            trainer_dp_size=t.dp.size,
+        )
 
     async def stop(self) -> None:
         self.state = common_pb2.SERVICE_STATE_DRAINING
         self.trainer.stopping = True
-        await self.leases.stop()
+        await self.trainer.wake()
+        if self.cfg.scheduler_address is not None:
+            await self.consumer.stop()
         async with self.trainer.step_lock:
             await asyncio.to_thread(self.trainer.save_checkpoint)
             await self.trainer.ack_covered()
