@@ -105,6 +105,50 @@ class RolloutConfig(ConfigModel):
     openai_port: int | None = Field(
         0, ge=0, description="Port of the endpoint (0: a free one, logged); unset: off."
     )
+    openai_api_key: str | None = Field(
+        None,
+        min_length=16,
+        description=(
+            "API key every call of the OpenAI endpoint must carry (`Authorization: Bearer <key>`; env "
+            "GYRE_ROLLOUT__OPENAI_API_KEY). Unset: the rollout generates one at start and writes it to "
+            "<run_dir>/rollout/<worker_id>/openai_api_key (mode 0600)."
+        ),
+    )
+    openai_admin_key: str | None = Field(
+        None,
+        min_length=16,
+        description=(
+            "Admin credential of the endpoint: needed for /sleep, /wake_up, /is_sleeping and /collective_rpc "
+            "(env GYRE_ROLLOUT__OPENAI_ADMIN_KEY). Unset: generated like the API key, file openai_admin_key."
+        ),
+    )
+    openai_auth: bool = Field(
+        True,
+        description="Require the API key on the model routes. False leaves them open (trusted networks only).",
+    )
+    openai_max_request_bytes: int = Field(
+        8 << 20, ge=1024, description="Largest request body (bytes) the endpoint reads; larger -> HTTP 413."
+    )
+    openai_execution_idle_s: float = Field(
+        3600.0,
+        gt=0,
+        description="Seconds without a call after which an endpoint execution is ended as TRUNCATED.",
+    )
+    weights_store: Path | None = Field(
+        None,
+        description=(
+            "Directory that every weights URI must lie in (symlinks resolved). Unset: <run_dir>/weights, "
+            "where the trainer writes."
+        ),
+    )
+    weights_max_version_ahead: int = Field(
+        1000,
+        ge=1,
+        description=(
+            "Largest accepted jump of a weights version above the loaded one; a larger version is refused "
+            "and counted (a forged 'version 10^9' must not make every engine stale)."
+        ),
+    )
     step_buffer: int = Field(
         10_000, ge=1, description="Step events buffered before agents wait (back-pressure)."
     )

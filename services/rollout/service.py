@@ -111,7 +111,11 @@ class RolloutService(Service):
     def __init__(self, common: CommonConfig, cfg: RolloutConfig) -> None:
         self.common, self.cfg = common, cfg
         self.router = Router(max_staleness=cfg.max_staleness)
-        self.swapper = WeightSwapper(self.router)
+        self.swapper = WeightSwapper(
+            self.router,
+            store=cfg.weights_store or common.run_dir / "weights",
+            max_version_ahead=cfg.weights_max_version_ahead,
+        )
         self.state = common_pb2.SERVICE_STATE_STARTING
         self._engine_seq = 0
         self.http: Any = None
@@ -192,12 +196,26 @@ class RolloutService(Service):
         else:
             await self._join_scheduler(rt)
         if cfg.openai_port is not None:
-            from .openai_api import OpenAIEndpoint, create_app, serve
+            from .openai_api import OpenAIEndpoint, create_app, endpoint_keys, serve
 
-            endpoint = OpenAIEndpoint(self.router, self.sink, run_id=run_id, seed=self.common.seed)
+            key_dir = self.common.run_dir / "rollout" / cfg.worker_id
+            api_key, admin_key = endpoint_keys(
+                cfg.openai_api_key, cfg.openai_admin_key, key_dir, require_api_key=cfg.openai_auth
+            )
+            endpoint = OpenAIEndpoint(
+                self.router, self.sink, run_id=run_id, seed=self.common.seed, api_key=api_key,
+                admin_key=admin_key, max_prompt_tokens=cfg.model.max_position_embeddings,
+                max_request_bytes=cfg.openai_max_request_bytes, execution_idle_s=cfg.openai_execution_idle_s,
+            )  # fmt: skip
             endpoint.weights_loader = self.swapper.apply
             self.http, self.http_port = await serve(create_app(endpoint), cfg.openai_host, cfg.openai_port)
-            log.info("OpenAI-compatible endpoint on http://%s:%d/v1", cfg.openai_host, self.http_port)
+            log.info(
+                "OpenAI-compatible endpoint on http://%s:%d/v1; use it with OPENAI_BASE_URL=http://%s:%d/v1 "
+                "OPENAI_API_KEY=$(cat %s) (admin key: %s)",
+                cfg.openai_host, self.http_port, cfg.openai_host, self.http_port,
+                key_dir / "openai_api_key" if cfg.openai_api_key is None else "rollout.openai_api_key",
+                key_dir / "openai_admin_key" if cfg.openai_admin_key is None else "rollout.openai_admin_key",
+            )  # fmt: skip
         if cfg.num_tasks:
             self.executions.start(cfg.num_tasks, cfg.group_size)
         self.state = common_pb2.SERVICE_STATE_SERVING

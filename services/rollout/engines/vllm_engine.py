@@ -34,8 +34,17 @@ from .base import Completion, Engine, EngineState, GenerationRequest
 
 class VLLMEngine(Engine):
     def __init__(
-        self, engine_id: str, device_id: str, base_url: str, *, model: str = "gyre", timeout_s: float = 600.0
+        self,
+        engine_id: str,
+        device_id: str,
+        base_url: str,
+        *,
+        model: str = "gyre",
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
     ) -> None:
+        # api_key: sent as `Authorization: Bearer` (vLLM's --api-key; Gyre's endpoint needs its admin key).
+        self.api_key = api_key
         self.engine_id, self.device_id, self.model = engine_id, device_id, model
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
@@ -64,7 +73,8 @@ class VLLMEngine(Engine):
         return self._tokens
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, headers=headers)
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
