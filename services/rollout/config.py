@@ -101,6 +101,48 @@ class RolloutConfig(ConfigModel):
         description="New generations only on engines at most this many versions behind the newest (-1: off).",
     )
 
+    harness: Literal["builtin", "external"] = Field(
+        "builtin",
+        description=(
+            "Who drives an execution: 'builtin' = Gyre's agent loop against `environment`; 'external' = "
+            "the user's agent process (`harness_command`), one per execution, calling the OpenAI endpoint "
+            "through a per-execution key (services/rollout/harness.py, docs/rollout.md)."
+        ),
+    )
+    harness_command: list[str] = Field(
+        default_factory=list,
+        description=(
+            "External harness: the agent's argv, run once per execution in its task's work directory. "
+            "'{python}' becomes this interpreter; an argument naming an existing file relative to the "
+            "service's working directory is made absolute."
+        ),
+    )
+    harness_tasks: Path | None = Field(
+        None,
+        description=(
+            "External harness: JSONL tasks (`task_id` + `prompt` or `messages`, any other fields) given to "
+            "the agent as-is; unset: the tasks of `environment` (workspace)."
+        ),
+    )
+    harness_reward: str | None = Field(
+        None,
+        description=(
+            "External harness: reward function 'package.module:function' or 'file.py:function', called "
+            "as fn(task, workdir, output, exit_code) -> float or dict (reward, milestones_reached, "
+            "milestones_total, tests_passed_fraction); unset: the workspace environment's hidden tests."
+        ),
+    )
+    harness_timeout_s: float = Field(
+        600.0, gt=0, description="External harness: wall-clock seconds per agent run before it is killed."
+    )
+    harness_memory_bytes: int = Field(
+        4 << 30, ge=1 << 26, description="External harness: address-space limit of the agent process (bytes)."
+    )
+    harness_cpu_s: int = Field(3600, ge=1, description="External harness: CPU-time limit of the agent (seconds).")
+    harness_max_output_bytes: int = Field(
+        65536, ge=1024, description="External harness: stdout/stderr kept per agent run (tail, bytes)."
+    )
+
     openai_host: str = Field("127.0.0.1", description="Bind address of the OpenAI-compatible endpoint.")
     openai_port: int | None = Field(
         0, ge=0, description="Port of the endpoint (0: a free one, logged); unset: off."
@@ -162,6 +204,17 @@ class RolloutConfig(ConfigModel):
             raise ValueError(
                 f"engine 'vllm' needs one vllm_urls entry per device ({self.num_devices}), got {len(self.vllm_urls)}"
             )
+        if self.harness == "external":
+            if not self.harness_command:
+                raise ValueError("harness 'external' needs harness_command (the agent's argv)")
+            if self.openai_port is None:
+                raise ValueError("harness 'external' needs the OpenAI endpoint: set openai_port (0 = a free port)")
+            if self.harness_tasks is None and self.environment != "workspace":
+                raise ValueError(
+                    "harness 'external' needs tasks: set harness_tasks (JSONL) or environment 'workspace'"
+                )
+            if self.harness_tasks is not None and self.harness_reward is None:
+                raise ValueError("harness_tasks have no tests to score them: set harness_reward")
         if self.model.vocab_size < 267:
             raise ValueError("model.vocab_size must hold the byte tokenizer (>= 267; default 512)")
         return self

@@ -12,11 +12,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 from gyre.v1 import events_pb2
 
 from .agent import Agent, ExecutionOutcome, ExecutionSpec
-from .environments.base import TaskFamily
+from .environments.base import Environment, TaskFamily
+
+
+class ExecutionRunner(Protocol):
+    """Runs one execution to its end: the built-in `Agent` or the external harness (harness.py)."""
+
+    async def run(self, spec: ExecutionSpec, env: Environment) -> ExecutionOutcome: ...
 
 
 @dataclass
@@ -30,7 +37,7 @@ class ExecutionCounters:
 class ExecutionManager:
     def __init__(
         self,
-        agent: Agent,
+        agent: Agent | ExecutionRunner,
         family: TaskFamily,
         *,
         run_id: str,

@@ -1,0 +1,206 @@
+"""External harness mode: the user's agent as a process per execution, against the real OpenAI
+endpoint, router, torch engine and NATS step stream (nothing of Gyre's is faked; the agent is the
+unmodified examples/byo_agent/agent.py or a small script standing in for a misbehaving agent)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gyre.bus import Bus, subjects
+from gyre.model import ModelConfig
+from gyre.v1 import events_pb2
+from services.rollout.agent import ExecutionSpec
+from services.rollout.engines.torch_engine import TorchEngine
+from services.rollout.harness import (
+    ExternalHarness,
+    HarnessSettings,
+    JsonTaskFamily,
+    OpenAIExecutions,
+    load_reward,
+)
+from services.rollout.openai_api import OpenAIEndpoint, create_app, serve
+from services.rollout.router import Router
+from services.rollout.steps import BusStepSink
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = "harness-test"
+API_KEY = "run-key-0123456789abcdef"
+E = events_pb2.ExecutionEvent
+
+
+class RecordingExecutions(OpenAIExecutions):
+    """The real endpoint adapter; it also keeps what it issued so the test can try it afterwards."""
+
+    def __init__(self, endpoint: OpenAIEndpoint) -> None:
+        super().__init__(endpoint)
+        self.issued: dict[str, tuple[str, str]] = {}
+
+    def issue(self, spec: ExecutionSpec) -> tuple[str, str]:
+        self.issued[spec.execution_id] = out = super().issue(spec)
+        return out
+
+
+@pytest.fixture
+async def stack(nats_url: str):
+    bus = await Bus.connect(nats_url, name="harness-test")
+    await bus.ensure_streams()
+    sink = BusStepSink(bus, max_buffer=256, batch_size=16)
+    sink.start()
+    router = Router()
+    engine = TorchEngine("e0", "cpu0-0", ModelConfig.model_validate({}), init_seed=1)
+    await engine.start()
+    await router.add_engine(engine)
+    endpoint = OpenAIEndpoint(router, sink, run_id=RUN, api_key=API_KEY)
+    server, port = await serve(create_app(endpoint), "127.0.0.1", 0)
+    yield bus, sink, endpoint, port
+    server.should_exit = True
+    await server.gyre_task
+    for d in list(router.engines):
+        await router.remove_engine(d)
+    await sink.flush()
+    await sink.close()
+    await bus.close()
+
+
+async def collect(bus: Bus, subject: str, msg_type, n: int) -> list:
+    """The first n messages of `subject` (JetStream, from the start of the stream)."""
+    out: list = []
+
+    async def run() -> None:
+        async for ev in bus.tail(subject, msg_type, from_start=True):
+            out.append(ev)
+            if len(out) == n:
+                return
+
+    await asyncio.wait_for(run(), 30)
+    return out
+
+
+def spec(task_id: str, group: str, k: int) -> ExecutionSpec:
+    return ExecutionSpec(RUN, task_id, f"{task_id}-{group}", f"{task_id}-{group}-e{k}", "tasks")
+
+
+async def test_the_unmodified_example_agent_makes_one_execution_per_launch_scored_and_closed(stack) -> None:
+    bus, sink, endpoint, port = stack
+    family = JsonTaskFamily.from_jsonl(ROOT / "examples/byo_agent/tasks.jsonl")
+    executions = RecordingExecutions(endpoint)
+    harness = ExternalHarness(
+        executions,
+        sink,
+        HarnessSettings(command=["{python}", "examples/byo_agent/agent.py"], timeout_s=120),
+        load_reward("examples/byo_agent/reward.py:score"),
+    )
+    specs = [spec("add-17-25", "g0", k) for k in range(3)]
+    outcomes = await asyncio.gather(*(harness.run(s, family.make(s.task_id)) for s in specs))
+    await sink.flush()
+
+    steps: dict[str, list[events_pb2.StepEvent]] = {}
+    for ev in await collect(bus, subjects.steps(RUN, "add-17-25"), events_pb2.StepEvent, 12):
+        steps.setdefault(ev.execution_id, []).append(ev)
+    ends: dict[str, events_pb2.ExecutionEvent] = {}
+    for ev in await collect(bus, subjects.executions(RUN, "add-17-25"), events_pb2.ExecutionEvent, 6):
+        if ev.kind != E.KIND_STARTED:
+            ends[ev.execution_id] = ev
+
+    for s, out in zip(specs, outcomes, strict=True):
+        assert out.kind == E.KIND_FINISHED, out.error
+        assert out.num_calls == 4  # the agent's MAX_TURNS, every call in this one execution
+        calls = steps[s.execution_id]
+        assert sorted(c.call_seq for c in calls) == [0, 1, 2, 3]
+        assert {c.group_id for c in calls} == {"add-17-25-g0"}
+        assert ends[s.execution_id].kind == E.KIND_FINISHED
+        assert ends[s.execution_id].num_calls == 4
+        assert ends[s.execution_id].progress.milestones_total == 3
+        assert ends[s.execution_id].reward == pytest.approx(out.progress.score())
+        # the agent windows its history: the last prompt does not extend the previous call
+        by_seq = {c.call_seq: c for c in calls}
+        previous = list(by_seq[2].prompt_token_ids) + list(by_seq[2].completion_token_ids)
+        assert list(by_seq[3].prompt_token_ids)[: len(previous)] != previous
+    assert set(steps) == {s.execution_id for s in specs}  # nothing landed anywhere else
+    assert not endpoint.executions  # every issued execution was ended
+
+    # a call made with an ended execution's URL or key is refused
+    base_url, key = executions.issued[specs[0].execution_id]
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "late"}])
+    by_key = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await by_key.chat.completions.create(model="m", messages=[{"role": "user", "content": "late"}])
+    await client.close()
+    await by_key.close()
+
+
+async def test_anonymous_calls_are_refused_with_how_to_name_the_execution_and_open_nothing(stack) -> None:
+    bus, sink, endpoint, port = stack
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
+    for _ in range(3):
+        with pytest.raises(openai.BadRequestError, match="X-Gyre-Execution-Id"):
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    await client.close()
+    async with httpx.AsyncClient() as http:
+        reply = await http.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert reply.status_code == 401  # no key at all
+    assert not endpoint.executions  # none opened, so none left open
+
+
+AGENT_THAT_HANGS = """
+import os, subprocess, sys, time
+child = subprocess.Popen(["sleep", "300"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(300)
+"""
+
+
+async def test_an_agent_past_its_timeout_is_killed_with_its_children_and_truncated(stack, tmp_path) -> None:
+    bus, sink, endpoint, port = stack
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"task_id": "hang", "prompt": "wait"}\n')
+    script, pid_file = tmp_path / "hang.py", tmp_path / "child.pid"
+    script.write_text(AGENT_THAT_HANGS)
+
+    def reward(task, workdir, output, exit_code):
+        assert exit_code is None  # timed out
+        return {"milestones_reached": 1, "milestones_total": 4}
+
+    harness = ExternalHarness(
+        OpenAIExecutions(endpoint),
+        sink,
+        HarnessSettings(command=[sys.executable, str(script), str(pid_file)], timeout_s=3, kill_grace_s=1),
+        reward,
+    )
+    s = spec("hang", "g0", 0)
+    out = await harness.run(s, JsonTaskFamily.from_jsonl(tasks).make("hang"))
+    assert out.kind == E.KIND_TRUNCATED and "timed out" in out.error
+    assert out.progress.milestones_reached == 1  # partial progress travels with the truncated execution
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # reaped by its parent's group kill, or gone
+        for _ in range(50):
+            os.kill(child, 0)
+            await asyncio.sleep(0.1)
+    assert not endpoint.executions
+
+
+async def test_a_failing_agent_fails_its_execution_with_its_stderr(stack, tmp_path) -> None:
+    bus, sink, endpoint, port = stack
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"task_id": "boom", "prompt": "x"}\n')
+    harness = ExternalHarness(
+        OpenAIExecutions(endpoint),
+        sink,
+        HarnessSettings(command=[sys.executable, "-c", "import sys; sys.exit('no model for me')"]),
+        lambda *a: 1.0,
+    )
+    out = await harness.run(spec("boom", "g0", 0), JsonTaskFamily.from_jsonl(tasks).make("boom"))
+    assert out.kind == E.KIND_FAILED and "no model for me" in out.error
+    assert not endpoint.executions
