@@ -52,6 +52,8 @@ class EventCollector:
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribed = 0
         self._per_subject: dict[str, int] = {}  # events seen per subject (recorded or duplicate)
+        self._stored_before: dict[str, int] = {}  # messages per filter at the previous resync()
+        self._recorded_before: dict[str, int] = {}  # records per filter at the previous resync()
 
     def on_event(self, callback: Callable[[Record], None]) -> None:
         self.listeners.append(callback)
@@ -119,6 +121,30 @@ class EventCollector:
                     self._record(rec)
             except Exception as exc:  # the log keeps what the live tail saw
                 log.warning("sweep of %s failed: %r", flt, exc)
+
+    async def resync(self) -> None:
+        """Keep the live tail honest while the run goes on: a follow task that ended is started
+        again, and a filter whose recorded count is still below what its stream held at the previous
+        resync (its ordered consumer did not survive a NATS restart) is resubscribed from the start
+        of its stream; the writer drops what it already holds. Never raises."""
+        for i, flt in enumerate(run_filters(self.run_id)):
+            stored = await self._num_stored(flt)
+            recorded = self._num_recorded(flt)
+            # Behind = the stream held more than we recorded a resync ago, and nothing came since.
+            behind = self._stored_before.get(flt, 0) > recorded == self._recorded_before.get(flt, -1)
+            self._recorded_before[flt] = recorded
+            if stored is not None:
+                self._stored_before[flt] = stored
+            task = self._tasks[i] if i < len(self._tasks) else None
+            if task is not None and not task.done() and not behind:
+                continue
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            log.warning("event tail of %s %s; resubscribing", flt, "stalled" if behind else "ended")
+            self._stored_before.pop(flt, None)
+            self._tasks[i] = asyncio.create_task(self._follow(flt, asyncio.Event()), name=f"collect:{flt}")
 
     async def stop(self) -> int:
         """Stop tailing, sweep every stream once more for missed events, close the log; return #records."""

@@ -19,11 +19,28 @@ from pathlib import Path
 from typing import Any
 
 from gyre.app.job import plots
-from gyre.app.job.analysis import LEARNED_RULE, Interval, RunAnalysis, analyse
+from gyre.app.job.analysis import LEARNED_RULE, STALL_RULE, Interval, RunAnalysis, analyse
 from gyre.app.job.eventlog import EVENT_LOG_NAME, read_events
 
 REPORT_NAME = "report.md"
 SUMMARY_NAME = "summary.json"
+OUTCOME_NAME = "outcome.json"  # {"completed": bool, "reason": str}, written by `gyre run` before the report
+
+
+def incomplete_reason(run_dir: Path, extra: dict[str, Any] | None = None) -> str | None:
+    """Why the run did not complete (from `extra` job_completed/job_end_reason, else outcome.json);
+    None when it completed or nothing says otherwise."""
+    info: dict[str, Any] = {}
+    if extra and "job_completed" in extra:
+        info = {"completed": extra["job_completed"], "reason": extra.get("job_end_reason", "")}
+    elif (run_dir / OUTCOME_NAME).is_file():
+        try:
+            info = json.loads((run_dir / OUTCOME_NAME).read_text())
+        except ValueError:
+            info = {"completed": False, "reason": f"{OUTCOME_NAME} is unreadable"}
+    if not info or info.get("completed", True):
+        return None
+    return str(info.get("reason") or "unknown reason")
 
 
 @dataclass(frozen=True)
@@ -118,21 +135,98 @@ def summary_of(a: RunAnalysis, extra: dict[str, Any] | None = None) -> dict[str,
     else:
         out.update(reward_first20=None, reward_last20=None, reward_delta=None, learned=False)
     out["learned_rule"] = LEARNED_RULE
+    out.update(learning_health_summary(a))
     if extra:
         out.update(extra)
     return out
 
 
-def headline(a: RunAnalysis) -> list[str]:
-    """The lines `gyre run` prints at the end (and report.md repeats)."""
+def learning_health_summary(a: RunAnalysis) -> dict[str, Any]:
+    """Oracle reward, the last window's share of it, trainer health means and the stall (or None)."""
+    oracle = [x for r in a.steps for x in r.oracle_samples]
+    out: dict[str, Any] = {"oracle_reward": _num(sum(oracle) / len(oracle)) if oracle else None}
     v = a.verdict
+    if v is not None:
+        l0, l1 = v.last_steps
+        last_oracle = [x for r in a.steps if l0 <= r.step <= l1 for x in r.oracle_samples]
+        if last_oracle and math.isfinite(v.last20.mean):
+            out["reward_last20_of_oracle"] = v.last20.mean / (sum(last_oracle) / len(last_oracle))
+    groups = sum(r.num_groups for r in a.steps)
+    out["zero_variance_group_fraction"] = (
+        sum(r.num_zero_variance_groups for r in a.steps) / groups if groups else None
+    )
+    for name in ("entropy", "kl_behaviour", "clip_fraction"):
+        out[f"trainer_{name}_mean"] = _num(_mean_metric(a, name))
+    st = a.stall
+    out["stall"] = (
+        None
+        if st is None
+        else {
+            "first_step": st.first_step,
+            "last_step": st.last_step,
+            "zero_variance_fraction": st.zero_variance_fraction,
+            "reward": st.reward,
+            "oracle": st.oracle,
+            "message": st.message(),
+        }
+    )
+    out["stall_rule"] = STALL_RULE
+    return out
+
+
+def learning_health_markdown(a: RunAnalysis, rel: dict[str, str]) -> list[str]:
+    """report.md's learning-health section: why the run learns, or why it stopped."""
+    lines = [
+        "## Learning health",
+        "",
+        f"![learning health]({rel['learning_health']})",
+        "",
+        f"**{a.stall.message()}**" if a.stall is not None else "No stall.",
+        "",
+        f"Rule: {STALL_RULE}. Entropy (nats) is that of the policy at the generated tokens; KL is the k3 "
+        "estimate of KL(behaviour || policy) over the trained tokens (how far the weights moved since the "
+        "tokens were sampled); clip fraction is the share of trained tokens whose importance ratio lies "
+        "outside the clip range; the oracle is the reward a perfect policy gets on the same tasks (the "
+        "environment's own number).",
+        "",
+        "| step | reward | oracle | zero-variance groups | entropy | KL to behaviour | clip fraction |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in a.steps:
+        m = r.trainer_metrics
+        lines.append(
+            f"| {r.step} | {_fmt(r.reward_mean, 3)} | {_fmt(r.oracle_mean, 3)} | "
+            f"{_fmt(r.zero_variance_fraction)} ({r.num_zero_variance_groups}/{r.num_groups}) | "
+            f"{_fmt(m.get('entropy', math.nan), 3)} | {_fmt(m.get('kl_behaviour', math.nan), 4)} | "
+            f"{_fmt(m.get('clip_fraction', math.nan), 3)} |"
+        )
+    return [*lines, ""]
+
+
+def headline(a: RunAnalysis, incomplete: str | None = None) -> list[str]:
+    """The lines `gyre run` prints at the end (and report.md repeats). A run that did not complete
+    (`incomplete`: why) says so first and never claims it learned."""
+    v = a.verdict
+    if incomplete is not None:
+        seen = "n/a" if v is None else f"{v.delta.fmt()} over the steps it ran"
+        return [
+            f"run did NOT complete: {incomplete}",
+            f"improvement:    {seen}",
+            "learned: not judged (the run did not complete)",
+        ]
     if v is None:
         return ["reward_first20: n/a (fewer than 2 trainer steps)", "reward_last20: n/a", "learned: no"]
-    return [
+    lines = [
         f"reward_first20: {v.first20.fmt()}  (steps {v.first_steps[0]}-{v.first_steps[1]}, 95% bootstrap CI)",
         f"reward_last20:  {v.last20.fmt()}  (steps {v.last_steps[0]}-{v.last_steps[1]}, 95% bootstrap CI)",
         f"improvement:    {v.delta.fmt()}  -> learned: {'yes' if v.learned else 'no'}",
     ]
+    share = learning_health_summary(a).get("reward_last20_of_oracle")
+    if share is not None:
+        lines.append(f"reward_last20 / oracle: {share:.1%}")
+    if a.stall is not None:  # a stall is said in the run's output, not only in report.md
+        lines.append(a.stall.message())
+    return lines
 
 
 def _fmt(x: float, digits: int = 2) -> str:
@@ -149,8 +243,10 @@ def service_counters(run_dir: Path) -> dict[str, float]:
         return {}
 
 
-def render_markdown(a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path) -> str:
-    """report.md text."""
+def render_markdown(
+    a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path, incomplete: str | None = None
+) -> str:
+    """report.md text (`incomplete`: why the run did not complete, stated at the top)."""
     counters = service_counters(run_dir)
     service_ratio = (
         counters["batched_flat_tokens"] / counters["batched_tokens"]
@@ -162,6 +258,8 @@ def render_markdown(a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path) 
         for k, p in plot_paths.items()
     }
     lines = [f"# Gyre run report: `{a.run_id or run_dir.name}`", ""]
+    if incomplete is not None:
+        lines += [f"**This run did not complete** ({incomplete}); its numbers cover only what ran.", ""]
     lines += [
         f"Policy **{a.policy or 'unknown'}**, {a.num_steps} trainer steps in {_fmt(a.duration_s, 1)} s "
         f"({_fmt(a.time_per_step_s, 1)} s per step), {len({s.device_id for s in a.segments})} devices, "
@@ -170,7 +268,7 @@ def render_markdown(a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path) 
         "## Did it learn?",
         "",
         "```",
-        *headline(a),
+        *headline(a, incomplete),
         "```",
         "",
         f"Rule: {LEARNED_RULE}. One sample per group and trainer step: the mean score of the group's "
@@ -192,8 +290,8 @@ def render_markdown(a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path) 
             f"{_fmt(r.tree_token_ratio)} | {r.num_exact_merged} | {r.num_near_duplicates} | {r.num_batches} |"
         )
     total_dev = sum(a.device_time_s.values()) or 1.0
+    lines += ["", *learning_health_markdown(a, rel)]
     lines += [
-        "",
         "## Devices",
         "",
         f"![device roles]({rel['device_roles']})",
@@ -251,9 +349,10 @@ def build_report(run_dir: Path, *, extra: dict[str, Any] | None = None, seed: in
     if not events_path.is_file():
         raise FileNotFoundError(f"{events_path} does not exist: pass the run directory of a `gyre run`")
     analysis = analyse(read_events(events_path), seed=seed)
+    incomplete = incomplete_reason(run_dir, extra)
     plot_paths = plots.write_all(analysis, run_dir / "plots")
     report_path = run_dir / REPORT_NAME
-    report_path.write_text(render_markdown(analysis, plot_paths, run_dir), encoding="utf-8")
+    report_path.write_text(render_markdown(analysis, plot_paths, run_dir, incomplete), encoding="utf-8")
     counters = service_counters(run_dir)
     if counters.get("batched_tokens"):
         extra = {
@@ -261,6 +360,10 @@ def build_report(run_dir: Path, *, extra: dict[str, Any] | None = None, seed: in
             "service_tree_token_ratio": counters["batched_flat_tokens"] / counters["batched_tokens"],
         }
     summary = summary_of(analysis, extra)
+    summary["completed"] = incomplete is None
+    if incomplete is not None:  # a run that died is never reported as having learned
+        summary["learned_over_steps_run"] = summary["learned"]
+        summary["learned"] = False
     summary_path = run_dir / SUMMARY_NAME
     summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return Report(analysis, report_path, summary_path, plot_paths, summary)
@@ -277,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print("\n".join(headline(report.analysis)))
+    print("\n".join(headline(report.analysis, incomplete_reason(args.run_dir))))
     print(f"report: {report.report_path}")
     return 0
 

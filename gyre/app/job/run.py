@@ -6,14 +6,21 @@ The job, on one screen:
     with Deployment(config):                 # NATS, Postgres, every service its own process
         collector.start()                    # every event of the run -> <run_dir>/events.jsonl
         keep `job.live_groups` groups of executions in flight (Rollout.StartExecutions)
-        until weight version `job.num_steps` is published (or `job.timeout_s`, or a service dies)
-        record the services' final counters -> <run_dir>/final_stats.json
+        until weight version `job.num_steps` is published (or `job.timeout_s`, or a service is down
+        for good: the launcher restarts a service that exits, within its restart budget)
+        read every service's counters (the rollout's before it is stopped), stop the rollout, wait
+        for ingest, read the others again -> <run_dir>/final_stats.json (+ the launcher's restarts)
         collector.stop()                     # final sweep: nothing published is missing
     report   = report.md + plots + summary.json from events.jsonl alone
     print reward_first20 / reward_last20 with their 95% intervals and the verdict
 
+Losing the bus (nats-server killed and restarted by the launcher) is ridden out: the job's NATS
+connection reconnects, a live tail that stalls is resubscribed from the start of its stream (the
+event log drops duplicates), and closing the connection never raises, so the report is written.
+
 Exit status: 0 when the job reached its steps and the report was written; 1 when it stopped early
-(timeout, a service died) — the report of what happened is still written; 2 for a bad config.
+(timeout, a service down for good) — the report of what happened is still written, and says the
+run did not complete; 2 for a bad config.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from gyre.errors import ConfigError, GyreError
 POLICIES = ("colocate", "async", "elastic")
 CONFIG_NAME = "config.yaml"
 FINAL_STATS_NAME = "final_stats.json"
+RESYNC_INTERVAL_S = 10.0  # how often the drive loop checks that the live event tail keeps up
 
 
 @dataclass
@@ -126,6 +134,8 @@ def service_wiring(raw: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str,
 
 async def _keep_executions_live(rollout_address: str, job: JobConfig) -> None:
     """Start tasks whenever fewer than live_groups * group_size executions are live (until cancelled)."""
+    import grpc
+
     from gyre import rpc
     from gyre.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -133,20 +143,25 @@ async def _keep_executions_live(rollout_address: str, job: JobConfig) -> None:
     async with rpc.channel(rollout_address) as channel:
         stub = rollout_pb2_grpc.RolloutStub(channel)
         while True:
-            status = await stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
-            deficit = target - status.live_executions
-            if deficit >= job.group_size:
-                await stub.StartExecutions(
-                    rollout_pb2.StartExecutionsRequest(
-                        num_tasks=deficit // job.group_size, group_size=job.group_size
-                    ),
-                    timeout=30,
-                )
+            try:
+                status = await stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
+                deficit = target - status.live_executions
+                if deficit >= job.group_size:
+                    await stub.StartExecutions(
+                        rollout_pb2.StartExecutionsRequest(
+                            num_tasks=deficit // job.group_size, group_size=job.group_size
+                        ),
+                        timeout=30,
+                    )
+            except grpc.aio.AioRpcError:  # the rollout is being restarted: ask again next poll
+                pass
             await asyncio.sleep(job.poll_interval_s)
 
 
-async def collect_final_stats(endpoints: Any, run_id: str) -> dict[str, Any]:
-    """Counters of every service at the end of the run (whatever answers within a few seconds)."""
+async def collect_final_stats(
+    endpoints: Any, run_id: str, *, skip: frozenset[str] | set[str] = frozenset()
+) -> dict[str, Any]:
+    """Counters of every service (but `skip`) at the end of the run (whatever answers within 10 s)."""
     from google.protobuf import json_format
 
     from gyre import rpc
@@ -174,7 +189,7 @@ async def collect_final_stats(endpoints: Any, run_id: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (stub_cls, method, request) in calls.items():
         service = endpoints.services.get(name)
-        if service is None:
+        if service is None or name in skip:
             continue
         try:
             async with rpc.channel(service.grpc_address) as channel:
@@ -199,14 +214,14 @@ async def _stored_calls(address: str, run_id: str) -> int:
 async def stop_producers_and_wait_for_ingest(
     deployment: Any, collector: Any, tracker: Any, job: JobConfig
 ) -> None:
-    """Stop the rollout service (no new steps), then wait until the trajectory service has stored
-    every step event published, so the final counters describe a settled run.
+    """Stop the rollout service on purpose (no new steps; the supervisor does not restart it), then
+    wait until the trajectory service has stored every step event published, so the final counters
+    describe a settled run.
 
     Waits at most `job.ingest_wait_s`; a trajectory service still behind then is reported as is.
     """
-    for proc in deployment.processes:
-        if proc.name == "rollout":
-            await asyncio.to_thread(proc.stop, deployment.launcher.stop_grace_s)
+    if "rollout" in deployment.endpoints.services:
+        await asyncio.to_thread(deployment.stop_service, "rollout")
     await asyncio.sleep(job.drain_s)
     await collector.sweep()
     trajectory = deployment.endpoints.services.get("trajectory")
@@ -236,6 +251,7 @@ async def drive(deployment: Any, common: Any, job: JobConfig, run_dir: Path, *, 
     collector.on_event(tracker.update)
     tasks: list[asyncio.Task[Any]] = []
     outcome = JobOutcome(False, "")
+    next_resync = time.monotonic() + RESYNC_INTERVAL_S
     try:
         await collector.start()
         with LiveProgress(tracker) as live:
@@ -255,11 +271,14 @@ async def drive(deployment: Any, common: Any, job: JobConfig, run_dir: Path, *, 
                         False, f"timeout after {job.timeout_s:.0f} s at step {tracker.version}"
                     )
                     break
-                dead = deployment.dead_services()
-                if dead:
-                    names = ", ".join(f"{p.name} (status {p.returncode}, log {p.log_path})" for p in dead)
-                    outcome = JobOutcome(False, f"service died: {names}")
+                failed = deployment.failed_services()
+                if failed:
+                    names = "; ".join(f"{name} {why}" for name, why in failed.items())
+                    outcome = JobOutcome(False, f"service down for good: {names}")
                     break
+                if time.monotonic() > next_resync:
+                    next_resync = time.monotonic() + RESYNC_INTERVAL_S
+                    await collector.resync()
                 for task in tasks:
                     if task.done() and not task.cancelled() and task.exception() is not None:
                         raise task.exception()  # type: ignore[misc]
@@ -269,15 +288,22 @@ async def drive(deployment: Any, common: Any, job: JobConfig, run_dir: Path, *, 
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            # Every counter is read while its service still runs: the rollout's before it is stopped.
+            before = await collect_final_stats(endpoints, common.run_id)
             if outcome.reached_steps:
                 await stop_producers_and_wait_for_ingest(deployment, collector, tracker, job)
             else:
                 await asyncio.sleep(job.drain_s)
-            outcome.final_stats = await collect_final_stats(endpoints, common.run_id)
+            after = await collect_final_stats(endpoints, common.run_id, skip=deployment.stopped_services)
+            outcome.final_stats = {**before, **after}
     finally:
         for task in tasks:
             task.cancel()
-        await collector.stop()
+        outcome.final_stats["launcher"] = deployment.supervision_stats()
+        try:
+            await collector.stop()
+        except Exception as exc:  # the log keeps what it has; the report is still written
+            print(f"warning: final sweep of the event streams failed: {exc!r}", file=sys.stderr)
         await bus.close()
     return outcome
 
@@ -295,7 +321,7 @@ def run_job(
     config_path: Path, *, policy: str | None = None, steps: int | None = None, run_dir: Path | None = None
 ) -> int:
     """Run one job end to end (see the module docstring); return the exit status."""
-    from gyre.app.job.report import build_report, headline
+    from gyre.app.job.report import OUTCOME_NAME, build_report, headline
     from gyre.app.launcher.deployment import Deployment, DeploymentError
 
     raw = effective_config(config_path, policy=policy, steps=steps, run_dir=run_dir)
@@ -334,6 +360,9 @@ def run_job(
         outcome = JobOutcome(False, f"deployment failed: {exc.service}")
     wall_s = time.time() - started
     (out_dir / FINAL_STATS_NAME).write_text(json.dumps(outcome.final_stats, indent=2, sort_keys=True) + "\n")
+    (out_dir / OUTCOME_NAME).write_text(
+        json.dumps({"completed": outcome.reached_steps, "reason": outcome.reason}) + "\n"
+    )
     print(f"job ended: {outcome.reason} ({wall_s:.0f} s); writing the report", flush=True)
     try:
         report = build_report(
@@ -348,7 +377,7 @@ def run_job(
     except ValueError as exc:
         print(f"error: no report: {exc}", file=sys.stderr)
         return 1
-    _print_headline(headline(report.analysis))
+    _print_headline(headline(report.analysis, None if outcome.reached_steps else outcome.reason))
     tps = report.analysis.time_per_step_s
     print(
         f"report: {report.report_path}  (plots in {out_dir / 'plots'}; "

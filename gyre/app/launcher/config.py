@@ -39,6 +39,35 @@ class LauncherConfig(ConfigModel):
         ),
     )
 
+    restart: bool = Field(
+        True,
+        description=(
+            "Supervise the services (and embedded NATS / Postgres): one that exits while the deployment "
+            "runs is started again with the same command, port and environment (GYRE_INCARNATION counts "
+            "the starts), after an exponential backoff, within the restart budget below. False: the first "
+            "exit ends `gyre up` / the job."
+        ),
+    )
+    max_restarts: int = Field(
+        5,
+        ge=0,
+        description=(
+            "Restart budget: restarts of one service allowed within `restart_window_s`; one more exit "
+            "and the supervisor gives up on it (the job ends, reporting why)."
+        ),
+    )
+    restart_window_s: float = Field(
+        600.0, gt=0, description="Seconds over which `max_restarts` is counted (a sliding window)."
+    )
+    restart_backoff_s: float = Field(
+        0.5,
+        ge=0,
+        description="Seconds before the first restart of a service; doubled for each further restart in the window.",
+    )
+    restart_backoff_max_s: float = Field(
+        30.0, ge=0, description="Upper bound of the restart backoff, in seconds."
+    )
+
     @field_validator("services")
     @classmethod
     def _known_and_unique(cls, value: list[str]) -> list[str]:

@@ -21,6 +21,15 @@ A service that exits or times out during start raises DeploymentError with the t
 after everything started so far has been stopped. Stop runs in reverse order (SIGTERM, grace,
 SIGKILL per process group), then the embedded servers; it always runs to the end, and no process
 started here outlives it.
+
+Supervision (`launcher.restart`, on by default): once started, a supervisor thread polls every
+process. A service that exits, for any reason and with any status, except through `stop()` or
+`stop_service()`, is started again with the same command, gRPC port and environment plus
+GYRE_INCARNATION=<starts so far>, after the backoff of its `RestartPolicy`, and waited for until
+SERVING; an embedded nats-server or Postgres that exits is started again on the same port with the
+same data (JetStream file store, Postgres cluster), so every client's URL stays valid. Each restart
+is logged (on_progress) and recorded (`restarts`, `supervision_stats()`); a service that exits more
+than `max_restarts` times within `restart_window_s` is given up on (`failed_services()`).
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import psutil
 from gyre.app.launcher.config import LauncherConfig, address_overrides
 from gyre.app.launcher.endpoints import FILENAME, Endpoints, ServiceEndpoint
 from gyre.app.launcher.healthcheck import check
-from gyre.app.launcher.process import ServiceProcess
+from gyre.app.launcher.process import RestartPolicy, RestartRecord, ServiceProcess
 from gyre.config import CommonConfig, load_common, load_section, load_yaml
 from gyre.errors import GyreError
 
@@ -108,6 +117,20 @@ class Deployment:
         self._procs: list[ServiceProcess] = []
         self._endpoints: Endpoints | None = None
         self._stop_lock = threading.Lock()
+        self.restart_policy = RestartPolicy(
+            max_restarts=self.launcher.max_restarts,
+            window_s=self.launcher.restart_window_s,
+            initial_backoff_s=self.launcher.restart_backoff_s,
+            max_backoff_s=self.launcher.restart_backoff_max_s,
+        )
+        self.restarts: list[RestartRecord] = []  # every restart the supervisor did, in order
+        self._spawn_env: dict[str, dict[str, str]] = {}  # service -> environment it was started with
+        self._starts: dict[str, int] = {}  # service -> processes spawned so far
+        self._gave_up: dict[str, str] = {}  # service -> why the supervisor stopped restarting it
+        self._stopped: set[str] = set()  # services stopped on purpose (stop_service): not restarted
+        self._halt = threading.Event()  # set by stop(): the supervisor and any start wait end
+        self._supervisor: threading.Thread | None = None
+        self._lock = threading.RLock()  # guards _procs / _endpoints between supervisor and callers
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -170,7 +193,8 @@ class Deployment:
                 for key, value in address_overrides(name, started).items()
                 if key not in env and not given.get(key.split("__", 1)[1].lower())
             }
-            endpoint = self._start_service(name, {**env, **wiring})
+            self._spawn_env[name] = {**env, **wiring}
+            endpoint = self._start_service(name, self._spawn_env[name])
             services[name] = endpoint
             env[address_env_var(name)] = endpoint.grpc_address
         self._endpoints = Endpoints(
@@ -183,6 +207,9 @@ class Deployment:
             embedded=[type(e).__name__.removeprefix("Embedded").lower() for e in self._embedded],
         )
         self._endpoints.write(self.run_dir)
+        if self.launcher.restart:
+            self._supervisor = threading.Thread(target=self._supervise, name="gyre-supervisor", daemon=True)
+            self._supervisor.start()
         return self._endpoints
 
     def _refuse_second_launcher(self) -> None:
@@ -216,19 +243,37 @@ class Deployment:
         return server.start()
 
     def _command(self, name: str) -> list[str]:
-        cmd = [sys.executable, "-m", f"services.{name}", "--host", self.launcher.host, "--port", "0"]
+        extra = self._service_args.setdefault(name, [])
+        if "--port" not in extra:
+            # A fixed port: a restarted service is found at the address its peers were given.
+            from gyre.embedded import free_port
+
+            extra += ["--port", str(free_port(_connect_host(self.launcher.host).strip("[]")))]
+        cmd = [sys.executable, "-m", f"services.{name}", "--host", self.launcher.host]
         if self.config_path is not None:
             cmd += ["--config", str(self.config_path)]
-        return cmd + self._service_args.get(name, [])
+        return cmd + extra
 
     def _start_service(self, name: str, env: Mapping[str, str]) -> ServiceEndpoint:
         self._progress(f"starting {name}")
-        proc = ServiceProcess(name, self._command(name), env, self.run_dir / "logs" / f"{name}.log")
-        self._procs.append(proc)
+        incarnation = self._starts.get(name, 0)
+        self._starts[name] = incarnation + 1
+        proc = ServiceProcess(
+            name,
+            self._command(name),
+            {**env, "GYRE_INCARNATION": str(incarnation)},
+            self.run_dir / "logs" / f"{name}.log",
+        )
+        with self._lock:
+            old = [i for i, p in enumerate(self._procs) if p.name == name]
+            if old:
+                self._procs[old[0]] = proc  # a restart keeps the start (and stop) order
+            else:
+                self._procs.append(proc)
         deadline = time.monotonic() + self.launcher.start_timeout_s
         ready = None
         status = ""
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (incarnation and self._halt.is_set()):
             if proc.returncode is not None:
                 raise DeploymentError(
                     f"{name} exited with status {proc.returncode} while starting (log: {proc.log_path})",
@@ -257,21 +302,152 @@ class Deployment:
         )
 
     def dead_services(self) -> list[ServiceProcess]:
-        """Services whose process has exited (they should run until stop())."""
-        return [p for p in self._procs if p.returncode is not None]
+        """Services that exited and will not be started again: the supervisor gave up on them (or
+        supervision is off). A service being restarted is not dead; one stopped on purpose is not."""
+        with self._lock:
+            procs = list(self._procs)
+        return [
+            p
+            for p in procs
+            if p.returncode is not None
+            and p.name not in self._stopped
+            and (not self.launcher.restart or p.name in self._gave_up)
+        ]
+
+    def failed_services(self) -> dict[str, str]:
+        """Service -> why it is down for good (restart budget spent, or exited with supervision off)."""
+        failed = dict(self._gave_up)
+        for proc in self.dead_services():
+            failed.setdefault(proc.name, f"exited with status {proc.returncode} (log: {proc.log_path})")
+        return failed
 
     def check_alive(self) -> None:
-        """DeploymentError naming the first service that died, with its log tail."""
+        """DeploymentError naming the first service that is down for good, with its log tail."""
         for proc in self.dead_services():
             raise DeploymentError(
-                f"{proc.name} exited with status {proc.returncode} (log: {proc.log_path})",
-                proc.name,
-                proc.log_tail(),
+                f"{proc.name} {self.failed_services().get(proc.name, 'exited')}", proc.name, proc.log_tail()
             )
+
+    def process(self, name: str) -> ServiceProcess | None:
+        """The current process of service `name` (after a restart: the new one)."""
+        with self._lock:
+            return next((p for p in self._procs if p.name == name), None)
+
+    def embedded(self, kind: str) -> Any:
+        """The embedded server `kind` ("nats" or "postgres") this deployment started, else None."""
+        return next(
+            (e for e in self._embedded if type(e).__name__.removeprefix("Embedded").lower() == kind), None
+        )
+
+    def stop_service(self, name: str) -> int | None:
+        """Stop service `name` on purpose (it is not restarted); returns its exit status."""
+        self._stopped.add(name)
+        proc = self.process(name)
+        return None if proc is None else proc.stop(self.launcher.stop_grace_s)
+
+    @property
+    def stopped_services(self) -> frozenset[str]:
+        """Services stopped on purpose with stop_service()."""
+        return frozenset(self._stopped)
+
+    def supervision_stats(self) -> dict[str, Any]:
+        """Restart counts per service, every restart with its recovery time, and what was given up."""
+        counts: dict[str, int] = {}
+        for r in self.restarts:
+            counts[r.service] = counts.get(r.service, 0) + 1
+        return {
+            "restarts": counts,
+            "num_restarts": len(self.restarts),
+            "gave_up": dict(self._gave_up),
+            "restart_events": [{**vars(r), "recovery_s": r.recovery_s} for r in self.restarts],
+        }
+
+    # -- supervision --------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Poll every process; restart what exited (see the module docstring)."""
+        while not self._halt.wait(0.2):
+            for server in list(self._embedded):
+                if server.pid is None and not self._halt.is_set():
+                    self._restart_embedded(server)
+            with self._lock:
+                procs = list(self._procs)
+            for proc in procs:
+                if self._halt.is_set():
+                    return
+                if proc.returncode is None or proc.name in self._stopped or proc.name in self._gave_up:
+                    continue
+                self._restart_service(proc)
+
+    def _recent_restarts(self, service: str, now: float) -> int:
+        return sum(
+            1
+            for r in self.restarts
+            if r.service == service and r.exited_at > now - self.restart_policy.window_s
+        )
+
+    def _begin_restart(self, service: str, exit_code: int | None) -> RestartRecord | None:
+        """A RestartRecord after the backoff, or None (budget spent, or stopping meanwhile)."""
+        now = time.time()
+        recent = self._recent_restarts(service, now)
+        if not self.restart_policy.allows(recent):
+            self._gave_up[service] = (
+                f"exited with status {exit_code}; restart budget spent "
+                f"({self.restart_policy.max_restarts} restarts within {self.restart_policy.window_s:.0f} s)"
+            )
+            self._progress(f"{service}: {self._gave_up[service]}; giving up")
+            return None
+        backoff = self.restart_policy.backoff_s(recent + 1)
+        record = RestartRecord(service=service, exit_code=exit_code, exited_at=now, backoff_s=backoff)
+        self.restarts.append(record)
+        self._progress(
+            f"{service} exited with status {exit_code}; restart {recent + 1}/"
+            f"{self.restart_policy.max_restarts} in {backoff:.1f} s"
+        )
+        if self._halt.wait(backoff):
+            return None
+        record.restarted_at = time.time()
+        return record
+
+    def _restart_service(self, proc: ServiceProcess) -> None:
+        code = proc.returncode
+        proc.stop(self.launcher.stop_grace_s)  # reap what is left of its process group
+        record = self._begin_restart(proc.name, code)
+        if record is None:
+            return
+        try:
+            endpoint = self._start_service(proc.name, self._spawn_env[proc.name])
+        except DeploymentError as exc:
+            record.error = str(exc).splitlines()[0]
+            self._progress(f"restart of {proc.name} failed: {record.error}")
+            return  # the next poll sees it down again and counts another restart
+        record.serving_at = time.time()
+        with self._lock:
+            if self._endpoints is not None:
+                self._endpoints.services[proc.name] = endpoint
+                self._endpoints.write(self.run_dir)
+        self._progress(f"{proc.name} restarted and serving ({record.recovery_s:.1f} s after its exit)")
+
+    def _restart_embedded(self, server: Any) -> None:
+        kind = type(server).__name__.removeprefix("Embedded").lower()
+        record = self._begin_restart(kind, None)
+        if record is None:
+            return
+        try:
+            server.restart()
+        except GyreError as exc:
+            record.error = str(exc)
+            self._progress(f"restart of embedded {kind} failed: {exc}")
+            return
+        record.serving_at = time.time()
+        self._progress(f"embedded {kind} restarted on the same port ({record.recovery_s:.1f} s)")
 
     def stop(self) -> None:
         """Stop services in reverse start order, then the embedded servers. Idempotent; never raises
         for a process that is already gone."""
+        self._halt.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join()
         with self._stop_lock:
             # Pop only after a stop returned: an interrupted stop() is finished by the next call.
             while self._procs:

@@ -35,6 +35,44 @@ READY_LINE = re.compile(r"^GYRE_READY (?P<name>\S+) (?P<grpc_port>\d+) (?P<metri
 
 
 @dataclass(frozen=True)
+class RestartPolicy:
+    """When a supervisor starts an exited process again: after `backoff_s(n)` seconds for the n-th
+    restart within `window_s` (exponential from `initial_backoff_s`, at most `max_backoff_s`), and
+    only while fewer than `max_restarts` restarts happened within `window_s`."""
+
+    max_restarts: int = 5
+    window_s: float = 600.0
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+
+    def backoff_s(self, nth: int) -> float:
+        """Seconds to wait before restart number `nth` (1-based) of the current window."""
+        return float(min(self.max_backoff_s, self.initial_backoff_s * 2 ** max(0, nth - 1)))
+
+    def allows(self, recent_restarts: int) -> bool:
+        """True while the budget has room for one more restart."""
+        return recent_restarts < self.max_restarts
+
+
+@dataclass
+class RestartRecord:
+    """One restart done by a supervisor (times in seconds since the Unix epoch)."""
+
+    service: str  # service name, or "nats" / "postgres" for an embedded server
+    exit_code: int | None  # how the previous process ended (negative: killed by that signal)
+    exited_at: float  # when the supervisor saw it gone
+    backoff_s: float  # waited before starting it again
+    restarted_at: float = 0.0  # when the new process was spawned
+    serving_at: float | None = None  # when it was ready again (gRPC health SERVING / accepting clients)
+    error: str = ""  # why the restart failed, if it did
+
+    @property
+    def recovery_s(self) -> float | None:
+        """Seconds from the exit being seen to serving again; None if it never served again."""
+        return None if self.serving_at is None else self.serving_at - self.exited_at
+
+
+@dataclass(frozen=True)
 class Ready:
     """What a service announced on its GYRE_READY line."""
 
