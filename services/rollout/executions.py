@@ -5,12 +5,18 @@ has started at most G * (latest_version + 1 + S) groups in total, counting the g
 boot. A group that wants to start beyond that waits until the trainer publishes a newer version.
 This is what bounds rollout to the data the trainer can take within the staleness bound
 (AReaL-style), instead of flooding the pipeline with executions nobody will train on.
+
+Restarts: group ids are `<task>-g<n>` in the first process of a run and `<task>-r<k>g<n>` in its
+k-th restart (`incarnation`, from GYRE_INCARNATION, which the supervisor sets). A restarted process
+therefore never reuses the id of an execution its predecessor started: the steps of those are
+stored under their own ids (and scored as unfinished), and the new groups run again from scratch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,8 +52,13 @@ class ExecutionManager:
         continuous: bool,
         groups_per_version: int = 0,
         staleness_bound: int = 0,
+        incarnation: int | None = None,
     ) -> None:
         self.agent, self.family, self.run_id, self.seed = agent, family, run_id, seed
+        # Starts of this rollout process before this one in the run (0: first; None: GYRE_INCARNATION).
+        self.incarnation = (
+            int(os.environ.get("GYRE_INCARNATION", "0")) if incarnation is None else incarnation
+        )
         self.continuous = continuous
         self.counters = ExecutionCounters()
         self.live: dict[str, asyncio.Task[ExecutionOutcome]] = {}
@@ -87,7 +98,7 @@ class ExecutionManager:
 
     def start_group(self, task_id: str, group_size: int) -> list[str]:
         n = next(self._groups.setdefault(task_id, itertools.count()))
-        group_id = f"{task_id}-g{n}"
+        group_id = f"{task_id}-g{n}" if self.incarnation == 0 else f"{task_id}-r{self.incarnation}g{n}"
         self.groups_started += 1
         ids = []
         for k in range(group_size):
