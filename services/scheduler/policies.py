@@ -34,42 +34,45 @@ class Role(StrEnum):
 
 @dataclass(frozen=True)
 class DeviceState:
-    """One device (or, in the simulator, one engine-sized unit of devices) as the policy sees it."""
+    """One device (or, in the simulator, one engine-sized unit of devices) as the policy sees it: its
+    lease, nothing else (the live scheduler knows no per-device load)."""
 
     device_id: str
     # Role it serves now; while `moving`, the role it is moving TO.
     role: Role
     # A handoff is in progress (draining, migrating, switching); the policy must leave it alone.
     moving: bool = False
-    # Executions resident on this device's engine (rollout only): what a move would migrate.
-    live_executions: int = 0
 
 
 @dataclass(frozen=True)
 class PoolSnapshot:
-    """Everything a policy may look at, frozen at one instant."""
+    """Everything a policy may look at, frozen at one instant: the leases and the workers' load
+    reports (gyre.v1.WorkerLoad), built by `services.scheduler.snapshot.pool_snapshot` both live and
+    in the simulator."""
 
     devices: tuple[DeviceState, ...]
-    # Executions started and not finished (decoding, prefilling or waiting on the environment).
+    # Executions started and not finished (generating, waiting for an engine, or on the environment).
     live_executions: int
-    # Admissible executions / generation requests waiting for an engine slot (staleness allows them).
+    # Live executions whose next generation waits for an engine (KV room or a free batch slot).
     queued_generations: int
-    # Executions one rollout device can host at once (KV memory bound), >= 1.
+    # Executions one rollout device can host at once (the engine's max batch), >= 1.
     engine_capacity: int
-    # Complete batches waiting to be trained (not counting the step being trained now).
+    # Batches with work waiting for the trainer (including the step being trained now).
     trainer_backlog: int
-    # A training step is running.
+    # The trainer has work (a step running or scored groups waiting).
     trainer_busy: bool
+    # Generations being decoded right now.
+    running_generations: int = 0
+    # Live executions waiting on their environment (their KV stays on the engine).
+    waiting_on_environment: int = 0
+    # Seconds the trainer's last optimizer step took (0 = none yet).
+    trainer_step_s: float = 0.0
     # Newest weight version published by the trainer.
     latest_version: int = 0
     # Oldest weight version any live execution started under (equals latest when none).
     oldest_live_version: int = 0
     # Max allowed (train step - start version) of any trained execution.
     staleness_bound: int = 1
-    # Training work waiting or running, in device-seconds (0 = unknown: no cost check).
-    trainer_work_device_s: float = 0.0
-    # Seconds one device needs to change role (drain, offload, load, warm up).
-    role_change_s: float = 0.0
 
     def count(self, role: Role) -> int:
         """Devices serving (or moving to) `role`."""
@@ -77,12 +80,12 @@ class PoolSnapshot:
 
     @property
     def rollout_demand(self) -> int:
-        """Executions that need an engine slot now: live ones plus admissible queued ones."""
-        return self.live_executions + self.queued_generations
+        """Executions that need an engine: every live one (queued ones are live too)."""
+        return self.live_executions
 
     @property
     def trainer_wants_devices(self) -> bool:
-        """The trainer has a step running or a complete batch waiting."""
+        """The trainer has a step running or scored work waiting."""
         return self.trainer_busy or self.trainer_backlog > 0
 
 
@@ -175,24 +178,25 @@ class AsyncPolicy(Policy):
 
 
 class ElasticPolicy(Policy):
-    """Gyre's policy: a home split like Async's, left only when moving pays for itself.
+    """Gyre's policy: a device that one side leaves idle serves the other, and comes back when needed.
 
-    - Home split (`base_rollout_devices`, B): while executions wait for a slot, rollout holds at
-      least B devices, sized the way an operator sizes Async (the simulator passes the best static
-      split of its sweep, `services.scheduler.sim.compare.plan_split`). Without B the home is what
-      the waiting executions need in KV slots (`engine_capacity` each).
-    - Tail: when nothing waits and the live executions fit on fewer rollout devices, the emptiest
-      ones are lent to training; their in-flight generations are migrated (never aborted). With
-      `consolidate=False` (bandwidth-bound rollout, where packing executions onto fewer engines
-      slows their decode) only a rollout with no live execution left is lent.
-    - Lending is cost-aware: k devices move to training only if the training time they save
-      exceeds two role changes (there and back), from `trainer_work_device_s` and `role_change_s`.
-      On short steps this refuses every move, and Elastic behaves exactly like Async at B.
-    - Return: when executions wait again, lent devices come back up to B (newest first); beyond B
-      only from an idle trainer, up to what the waiting executions need in KV slots.
-    - Hysteresis: nothing moves while nothing waits and the trainer has no work; moves smaller
-      than `min_move` devices are skipped. With `spread_when_trainer_idle`, an idle trainer hands
-      every device to rollout to spread the KV load (off by default: costs more than it saves).
+    It reads only the live snapshot (leases and load reports) and keeps no state; the same class runs
+    in the scheduler service and in the simulator, with the same parameters on every workload. Per
+    snapshot, with L live executions, engine capacity c (the engine's max batch) and P devices:
+
+    - Never strand an execution: rollout holds at least ceil(L / c) devices, so every live execution
+      has a batch slot; a handoff migrates in-flight generations, it never aborts one.
+    - Trainer idle (no scored work): its devices spread the rollout, up to one device per live
+      execution (decode is memory-bound: fewer executions per engine decode faster), keeping
+      `min_train_devices` ready for the first scored group (`spread_idle`).
+    - Trainer busy: rollout holds min(L, home) devices, home = `home_rollout_devices` (the operator's
+      split; default half the pool, as the live Async default). Devices borrowed from the trainer
+      beyond home go back to it; in the tail (L below home) rollout lends every device a live
+      execution does not need, one engine per execution, highest device IDs first (the router fills
+      the lowest IDs first, so those empty first). Never packs executions to lend more.
+    - A move must pay for itself: rollout lends to a trainer that already has devices only if its last
+      step took more than `min_step_over_switch` role changes (`role_change_s`); a trainer with work
+      and no device always gets one.
     """
 
     name = "elastic"
@@ -200,98 +204,63 @@ class ElasticPolicy(Policy):
     def __init__(
         self,
         staleness_bound: int = 1,
-        min_move: int = 1,
         min_train_devices: int = 1,
-        spread_when_trainer_idle: bool = False,
-        base_rollout_devices: int | None = None,
-        consolidate: bool = True,
+        home_rollout_devices: int | None = None,
+        role_change_s: float = 15.0,
+        min_step_over_switch: float = 4.0,
+        spread_idle: bool = True,
     ) -> None:
         super().__init__(staleness_bound)
-        if base_rollout_devices is not None and base_rollout_devices < 1:
-            raise ValueError(f"base_rollout_devices must be >= 1, got {base_rollout_devices}")
-        self.spread_when_trainer_idle = spread_when_trainer_idle
-        self.min_move = max(1, min_move)
+        if role_change_s < 0 or min_step_over_switch < 0:
+            raise ValueError("role_change_s and min_step_over_switch must be >= 0")
         self.min_train_devices = max(0, min_train_devices)
-        self.base_rollout_devices = base_rollout_devices
-        self.consolidate = consolidate
-
-    def _worth_lending(self, snapshot: PoolSnapshot, k: int) -> bool:
-        """Lend k devices only if the training time they save exceeds the round trip of role
-        changes (there and back) they cost; a trainer without devices always gets them."""
-        training = snapshot.count(Role.TRAIN)
-        if training == 0 or snapshot.trainer_work_device_s <= 0 or snapshot.role_change_s <= 0:
-            return True
-        work = snapshot.trainer_work_device_s
-        saved = work / training - work / (training + k)
-        return saved > 2 * snapshot.role_change_s
+        self.home_rollout_devices = home_rollout_devices
+        self.role_change_s = role_change_s
+        self.min_step_over_switch = min_step_over_switch
+        self.spread_idle = spread_idle
 
     def target_rollout(self, snapshot: PoolSnapshot) -> int:
         """How many devices should serve rollout now."""
         total = len(snapshot.devices)
-        cap = max(1, snapshot.engine_capacity)
-        need = math.ceil(snapshot.rollout_demand / cap)
-        # Live executions must always fit (never abort): that wins over every other bound.
-        must = math.ceil(snapshot.live_executions / cap)
-        have = snapshot.count(Role.ROLLOUT)
-        ceiling = total - self.min_train_devices
-        if self.base_rollout_devices is None:
-            if not snapshot.trainer_wants_devices:
-                return total if self.spread_when_trainer_idle else max(need, have)
-            return max(must, min(need, ceiling))
-        base = min(self.base_rollout_devices, ceiling)
+        live = snapshot.live_executions
+        must = math.ceil(live / max(1, snapshot.engine_capacity))  # every live execution has a slot
+        ceiling = max(1, total - self.min_train_devices)
         if not snapshot.trainer_wants_devices:
-            # The trainer has nothing to do: lent devices come home; waiting work may take more.
-            if self.spread_when_trainer_idle:
-                return total
-            grow = min(need, ceiling) if snapshot.queued_generations > 0 else 0
-            return max(must, base, have, grow)
-        if snapshot.queued_generations > 0:
-            # Work waits while the trainer works: the home split, no more than what is held.
-            return max(must, min(max(have, base), max(base, need)))
-        return must  # tail: lend what the live executions do not need (plan checks the cost)
+            # Spread the rollout over the idle trainer's devices (one engine per live execution at most).
+            return min(ceiling, max(must, live if self.spread_idle else must))
+        home = self.home_rollout_devices or max(1, total // 2)
+        return max(must, min(live, home, ceiling))
+
+    def _lending_pays(self, snapshot: PoolSnapshot) -> bool:
+        if snapshot.count(Role.TRAIN) < max(1, self.min_train_devices):
+            return True  # a trainer with work and no device is stranded: always worth a move
+        step = snapshot.trainer_step_s
+        return step <= 0 or step > self.min_step_over_switch * self.role_change_s
 
     def plan(self, snapshot: PoolSnapshot) -> list[Reassignment]:
         target = self.target_rollout(snapshot)
         have = snapshot.count(Role.ROLLOUT)
         still = _still(snapshot)
-        if target > have and target - have >= self.min_move:
-            # Idle devices first, then training devices (highest IDs first: stable choice).
+        if target > have:
             donors = [d for d in still if d.role == Role.IDLE] + sorted(
                 (d for d in still if d.role == Role.TRAIN), key=lambda d: d.device_id, reverse=True
             )
-            why = f"elastic: {snapshot.rollout_demand} executions need {target} rollout devices"
+            why = f"elastic: {snapshot.live_executions} live executions need {target} rollout devices"
             return [Reassignment(d.device_id, Role.ROLLOUT, why) for d in donors[: target - have]]
-        if target < have and have - target >= self.min_move:
-            # Emptiest engines first: fewest generations to migrate. Only settled rollout devices
-            # may give up work, and the settled ones that stay must host every live execution
-            # (devices still moving to rollout cannot take migrated generations yet).
+        moves: list[Reassignment] = []
+        if target < have and snapshot.trainer_wants_devices and self._lending_pays(snapshot):
+            # Only settled rollout devices lend; the ones that stay must hold every live execution.
             settled = sorted(
-                (d for d in still if d.role == Role.ROLLOUT), key=lambda d: (d.live_executions, d.device_id)
+                (d for d in still if d.role == Role.ROLLOUT), key=lambda d: d.device_id, reverse=True
             )
-            if not self.consolidate and snapshot.live_executions > 0:
-                return []
             cap = max(1, snapshot.engine_capacity)
             room = max(0, len(settled) - math.ceil(snapshot.live_executions / cap))
-            k = min(have - target, room)
-            if k < self.min_move or not self._worth_lending(snapshot, k):
-                return []
-            donors = settled[:k]
-            why = (
-                f"elastic: tail, {snapshot.live_executions} live executions fit on {target} devices; "
-                "lending the rest to training"
-            )
-            return [Reassignment(d.device_id, Role.TRAIN, why) for d in donors]
+            why = f"elastic: {snapshot.live_executions} live executions fit on {target} devices; lending the rest"
+            moves = [Reassignment(d.device_id, Role.TRAIN, why) for d in settled[: min(have - target, room)]]
         idle = [d for d in still if d.role == Role.IDLE]
-        if idle:
-            home = self.base_rollout_devices is not None  # beyond the home split, idle devices train
-            role = Role.TRAIN if snapshot.trainer_wants_devices or home else Role.ROLLOUT
-            return [Reassignment(d.device_id, role, "elastic: idle device put to work") for d in idle]
-        return []
-
-    def describe(self) -> str:
-        if self.base_rollout_devices is None:
-            return self.name
-        return f"elastic(base rollout={self.base_rollout_devices})"
+        role = Role.TRAIN if snapshot.trainer_wants_devices or target <= have else Role.ROLLOUT
+        moves += [Reassignment(d.device_id, role, "elastic: idle device put to work") for d in idle]
+        return moves
 
 
 POLICY_NAMES = ("colocate", "async", "elastic")
@@ -302,16 +271,14 @@ def make_policy(
     *,
     staleness_bound: int = 1,
     num_rollout_devices: int | None = None,
-    elastic_base_rollout_devices: int | None = None,
+    role_change_s: float = 15.0,
 ) -> Policy:
     """Build a policy by name. `async` needs `num_rollout_devices` (its fixed split); `elastic`
-    takes an optional home split `elastic_base_rollout_devices` (None: sized by KV need)."""
+    takes the seconds one device needs to change role (its moves must pay for them)."""
     if name == "colocate":
         return ColocatePolicy()
     if name == "elastic":
-        return ElasticPolicy(
-            staleness_bound=staleness_bound, base_rollout_devices=elastic_base_rollout_devices
-        )
+        return ElasticPolicy(staleness_bound=staleness_bound, role_change_s=role_change_s)
     if name == "async":
         if num_rollout_devices is None:
             raise ValueError("policy 'async' needs num_rollout_devices (its fixed rollout split)")

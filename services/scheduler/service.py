@@ -44,6 +44,7 @@ from services.scheduler.policies import (
     Role,
     make_policy,
 )
+from services.scheduler.snapshot import pool_snapshot
 from services.scheduler.wire import device_from_pb, device_pb, lease_pb
 
 log = logging.getLogger("gyre.scheduler")
@@ -117,18 +118,11 @@ class SchedulerService(Service):
         leases = self.book.leases()
         rollout = [self.loads[w.worker_id] for w in workers if w.service == "rollout"]
         trainer = [self.loads[w.worker_id] for w in workers if w.service == "trainer"]
-        capacities = [x.engine_capacity for x in rollout if x.engine_capacity > 0]
-        return PoolSnapshot(
-            devices=tuple(
-                DeviceState(x.device_id, _planned_role(x), x.state != LeaseState.ACTIVE) for x in leases
-            ),
-            live_executions=sum(x.live_executions for x in rollout),
-            queued_generations=sum(x.queued_generations for x in rollout),
-            engine_capacity=min(capacities) if capacities else self.cfg.default_engine_capacity,
-            trainer_backlog=sum(x.trainer_backlog_batches for x in trainer),
-            trainer_busy=any(x.trainer_backlog_batches > 0 for x in trainer),
-            latest_version=max((x.weight_version for x in trainer), default=0),
-            oldest_live_version=min((x.weight_version for x in rollout), default=0),
+        return pool_snapshot(
+            [DeviceState(x.device_id, _planned_role(x), x.state != LeaseState.ACTIVE) for x in leases],
+            rollout,
+            trainer,
+            default_engine_capacity=self.cfg.default_engine_capacity,
             staleness_bound=self.cfg.staleness_bound,
         )
 

@@ -21,16 +21,12 @@ def _snap(
     cap: int = 4,
     backlog: int = 0,
     busy: bool = False,
-    per_device: list[int] | None = None,
     moving: set[int] | None = None,
+    step_s: float = 0.0,
 ) -> PoolSnapshot:
-    per_device = per_device or [0] * len(roles)
     moving = moving or set()
-    devices = tuple(
-        DeviceState(f"d{i:02d}", r, moving=i in moving, live_executions=per_device[i])
-        for i, r in enumerate(roles)
-    )
-    return PoolSnapshot(devices, live, queued, cap, backlog, busy)
+    devices = tuple(DeviceState(f"d{i:02d}", r, moving=i in moving) for i, r in enumerate(roles))
+    return PoolSnapshot(devices, live, queued, cap, backlog, busy, trainer_step_s=step_s)
 
 
 def test_colocate_moves_whole_pool_to_training_when_batch_is_done() -> None:
@@ -40,7 +36,7 @@ def test_colocate_moves_whole_pool_to_training_when_batch_is_done() -> None:
 
 
 def test_colocate_returns_whole_pool_to_rollout_when_work_is_admitted() -> None:
-    moves = ColocatePolicy().plan(_snap([Role.TRAIN] * 3, queued=5))
+    moves = ColocatePolicy().plan(_snap([Role.TRAIN] * 3, live=5, queued=5))
     assert [m.to_role for m in moves] == [Role.ROLLOUT] * 3
 
 
@@ -60,41 +56,50 @@ def test_async_keeps_its_fixed_split() -> None:
     assert AsyncPolicy(2).plan(_snap([Role.ROLLOUT] * 2 + [Role.TRAIN] * 3, live=50)) == []
 
 
-def test_elastic_lends_tail_devices_with_fewest_executions_to_training() -> None:
-    snap = _snap([Role.ROLLOUT] * 4, live=3, cap=4, backlog=1, per_device=[1, 0, 2, 0])
+def test_elastic_lends_tail_devices_highest_ids_first_while_the_trainer_works() -> None:
+    snap = _snap([Role.ROLLOUT] * 4 + [Role.TRAIN] * 4, live=1, cap=4, backlog=1, busy=True)
     moves = ElasticPolicy().plan(snap)
-    assert sorted(m.device_id for m in moves) == ["d00", "d01", "d03"]
+    assert sorted(m.device_id for m in moves) == ["d01", "d02", "d03"]
     assert all(m.to_role == Role.TRAIN for m in moves)
 
 
 def test_elastic_never_plans_fewer_slots_than_live_executions() -> None:
     for live in range(0, 17):
-        snap = _snap([Role.ROLLOUT] * 4, live=live, cap=4, backlog=1, busy=True)
-        remaining = 4 - len(ElasticPolicy().plan(snap))
-        assert remaining * 4 >= live
+        for busy in (False, True):
+            snap = _snap([Role.ROLLOUT] * 4 + [Role.TRAIN], live=live, cap=4, backlog=int(busy), busy=busy)
+            moves = ElasticPolicy().plan(snap)
+            rollout = 4 + sum(1 if m.to_role == Role.ROLLOUT else -1 for m in moves)
+            assert rollout * 4 >= live, (live, busy)
 
 
-def test_elastic_returns_devices_from_a_starved_trainer_only_when_rollout_needs_them() -> None:
-    roles = [Role.ROLLOUT, Role.TRAIN, Role.TRAIN]
-    assert ElasticPolicy().plan(_snap(roles, live=1, cap=4)) == []
-    moves = ElasticPolicy().plan(_snap(roles, live=4, queued=6, cap=4))
-    assert sorted(m.device_id for m in moves) == ["d01", "d02"]
-    spread = ElasticPolicy(spread_when_trainer_idle=True).plan(_snap(roles, live=1, cap=4))
-    assert sorted(m.device_id for m in spread) == ["d01", "d02"]
+def test_elastic_spreads_the_rollout_over_an_idle_trainer_and_keeps_one_trainer_device() -> None:
+    roles = [Role.ROLLOUT] * 2 + [Role.TRAIN] * 4
+    moves = ElasticPolicy().plan(_snap(roles, live=8, queued=0, cap=4))
+    assert sorted(m.device_id for m in moves) == ["d03", "d04", "d05"]  # d02 stays: min_train_devices
+    assert ElasticPolicy(spread_idle=False).plan(_snap(roles, live=8, cap=4)) == []
 
 
-def test_elastic_does_not_lend_devices_when_role_changes_cost_more_than_they_save() -> None:
-    base = dict(live=1, cap=4, busy=True)
+def test_elastic_returns_borrowed_devices_to_a_trainer_that_has_work_again() -> None:
+    roles = [Role.ROLLOUT] * 5 + [Role.TRAIN]
+    moves = ElasticPolicy().plan(_snap(roles, live=8, cap=4, backlog=1, busy=True))
+    assert len(moves) == 2 and all(m.to_role == Role.TRAIN for m in moves)  # back to the home split of 3
+
+
+def test_elastic_does_not_lend_when_a_training_step_is_shorter_than_the_role_changes() -> None:
     roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
-    snap = _snap(roles, **base)
-    cheap = PoolSnapshot(snap.devices, 1, 0, 4, 0, True, trainer_work_device_s=10.0, role_change_s=15.0)
-    worth = PoolSnapshot(snap.devices, 1, 0, 4, 0, True, trainer_work_device_s=1000.0, role_change_s=15.0)
-    assert ElasticPolicy().plan(cheap) == []
-    assert len(ElasticPolicy().plan(worth)) == 2
+    short = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=30.0)
+    long = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=600.0)
+    assert ElasticPolicy(role_change_s=15.0).plan(short) == []
+    assert len(ElasticPolicy(role_change_s=15.0).plan(long)) == 2
+
+
+def test_elastic_gives_a_stranded_trainer_a_device_whatever_the_cost() -> None:
+    snap = _snap([Role.ROLLOUT] * 3, live=0, cap=4, backlog=1, busy=True, step_s=1.0)
+    assert len(ElasticPolicy(role_change_s=15.0).plan(snap)) == 3
 
 
 def test_elastic_takes_devices_back_when_new_batch_is_admitted() -> None:
-    snap = _snap([Role.ROLLOUT] + [Role.TRAIN] * 3, live=2, queued=8, cap=4, busy=True)
+    snap = _snap([Role.ROLLOUT] + [Role.TRAIN] * 3, live=8, queued=8, cap=4)
     moves = ElasticPolicy().plan(snap)
     assert len(moves) == 2 and all(m.to_role == Role.ROLLOUT for m in moves)
 
@@ -109,32 +114,6 @@ def test_admission_bounds_staleness() -> None:
     assert may_start_batch(2, 1, 1) and not may_start_batch(3, 1, 1)
 
 
-def test_elastic_with_a_home_split_holds_it_while_work_waits() -> None:
-    # KV need alone (2 devices for 8 executions) would starve a bandwidth-bound rollout; the home split wins.
-    roles = [Role.ROLLOUT] + [Role.TRAIN] * 5
-    moves = ElasticPolicy(base_rollout_devices=3).plan(_snap(roles, live=0, queued=8, cap=4, busy=True))
-    assert len(moves) == 2 and all(m.to_role == Role.ROLLOUT for m in moves)
-
-
-def test_elastic_with_a_home_split_stays_put_when_nothing_waits_and_nothing_trains() -> None:
-    roles = [Role.ROLLOUT] * 3 + [Role.TRAIN] * 3
-    assert ElasticPolicy(base_rollout_devices=3).plan(_snap(roles, live=1, cap=4)) == []
-
-
-def test_elastic_brings_lent_devices_home_when_the_trainer_runs_dry() -> None:
-    roles = [Role.ROLLOUT] + [Role.TRAIN] * 5
-    moves = ElasticPolicy(base_rollout_devices=3).plan(_snap(roles, live=1, cap=4))
-    assert len(moves) == 2 and all(m.to_role == Role.ROLLOUT for m in moves)
-
-
-def test_elastic_without_consolidation_lends_only_an_emptied_rollout() -> None:
-    roles = [Role.ROLLOUT] * 3 + [Role.TRAIN] * 3
-    busy = dict(cap=4, backlog=1, busy=True)
-    policy = ElasticPolicy(base_rollout_devices=3, consolidate=False)
-    assert policy.plan(_snap(roles, live=1, per_device=[1, 0, 0, 0, 0, 0], **busy)) == []
-    moves = policy.plan(_snap(roles, live=0, **busy))
-    assert len(moves) == 3 and all(m.to_role == Role.TRAIN for m in moves)
-    consolidating = ElasticPolicy(base_rollout_devices=3).plan(
-        _snap(roles, live=1, per_device=[1, 0, 0, 0, 0, 0], **busy)
-    )
-    assert sorted(m.device_id for m in consolidating) == ["d01", "d02"]  # emptiest engines first
+def test_elastic_is_pure_same_snapshot_same_moves() -> None:
+    snap = _snap([Role.ROLLOUT] * 4 + [Role.TRAIN] * 2, live=2, cap=4, backlog=1, busy=True, step_s=900.0)
+    assert ElasticPolicy().plan(snap) == ElasticPolicy().plan(snap)

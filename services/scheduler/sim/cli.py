@@ -1,6 +1,6 @@
-"""`gyre sim`: run Colocate, the best Async split and Elastic on a workload and report.
+"""`gyre sim`: run Colocate, the best Async split, Elastic and the paper's baselines on a workload.
 
-gyre sim --workload xlong --json
+gyre sim --workload xlong --json --seeds 5
 gyre sim --workload-file examples/workloads/small.yaml --plot sim.png
 """
 
@@ -21,8 +21,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     src.add_argument("--workload-file", help="YAML workload in the schema of docs/simulator.md")
     p.add_argument("--staleness-bound", type=int, help="override the workload's bound (async and elastic)")
+    p.add_argument(
+        "--seeds", type=int, default=1, help="seeds to run (seed, seed+1, ...); ratios get a 95%% interval"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a short table)")
-    p.add_argument("--plot", help="write the role timelines and utilization to this PNG file")
+    p.add_argument(
+        "--plot", help="write the role timelines and utilization of the first seed to this PNG file"
+    )
     return p
 
 
@@ -30,35 +35,36 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from pydantic import ValidationError
 
-    from services.scheduler.sim import builtin, compare, load_workload_file
+    from services.scheduler.sim import builtin, load_workload_file
+    from services.scheduler.sim.compare import compare_seeds
 
     try:
         w = load_workload_file(args.workload_file) if args.workload_file else builtin(args.workload)
         if args.staleness_bound is not None:
             w = w.model_validate({**w.model_dump(), "staleness_bound": args.staleness_bound})
+        if args.seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     except (ValueError, ValidationError, OSError) as exc:
         print(f"gyre sim: {exc}", file=sys.stderr)
         return 2
-    result = compare(w)
+    result = compare_seeds(w, args.seeds)
     out = result.to_json()
     if args.plot:
         from services.scheduler.sim.plot import plot_comparison
 
-        plot_comparison(result, args.plot)
+        plot_comparison(result.per_seed[0], args.plot)
         out["plot"] = args.plot
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"workload {w.name}: {w.description}")
-    for name in ("colocate", "async", "elastic"):
+    print(f"workload {w.name}: {w.description}  (seeds {out['seeds']})")
+    for name in ("colocate", "async", "elastic", "paper_colocate", "paper_async"):
         r = out[name]
+        t = r["time_per_step_s"]
         print(
-            f"  {name:<9} {r['time_per_step_s']:>10.1f} s/step  utilization {r['device_utilization']:.1%}  "
-            f"max staleness {r['max_staleness']}"
+            f"  {name:<15} {t['mean']:>10.1f} s/step [{t['low']:.1f}, {t['high']:.1f}]  "
+            f"generated tokens trained {r['generated_trained_share']:.1%}  utilization {r['device_utilization']:.1%}"
         )
-    split = out["best_async_split"]
-    print(f"  best async split: {split['rollout_devices']} rollout / {split['train_devices']} train devices")
-    print(
-        f"  elastic speedup: {out['speedup_vs_colocate']}x vs colocate, {out['speedup_vs_async']}x vs async"
-    )
+    for k, v in out["speedup"].items():
+        print(f"  elastic speedup {k:<18} {v['mean']:.3f}x  95% [{v['low']:.3f}, {v['high']:.3f}]")
     return 0

@@ -1,47 +1,71 @@
-"""Run the three policies on one workload at equal work and compare them.
+"""Run the policies on one workload at equal work and compare them, over several seeds.
 
-Equal work: every policy trains exactly the same sampled executions, batch k at step k, each in
-full (no policy trains on unfinished executions, so none needs the partial-scoring option).
-Async and Elastic share the workload's staleness bound; Colocate is synchronous (0). The Async
-baseline is the best fixed split found by `sweep_async` (every split on small pools, a grid refined
-to single units on large ones; ties: fewer rollout units). Elastic gets no sweep of its own: its
-home split is that same best split (`plan_elastic`). `critical_path_bound` is the time per step no
-policy can beat (sim/bound.py).
+Rows (every one runs the same sampled executions of a seed):
+- `colocate`: the whole pool alternates, with the workload's trainer and scoring semantics;
+- `async`: the best fixed split of a sweep over every split (refined grid), with the same streaming
+  trainer and partial-progress cut-off as Elastic: the strongest static baseline;
+- `elastic`: ElasticPolicy, configured the same on every workload (no sweep, no per-workload input);
+- `paper_colocate`, `paper_async`: the baselines as the QwenGyre paper describes them (Async = half
+  the pool rolling out, batch-synchronous trainer, no partial-progress scoring), so Gyre's figures
+  can be read against the published 1.85x / 1.78x.
+
+Work: every row trains every batch; with partial progress a row may train fewer tokens of a cut
+execution, so each row reports `tokens_trained_per_step` and `generated_trained_share`.
+Ratios are time-per-step ratios (higher = Elastic faster), one per seed; `--seeds N` reports each as
+a mean with a 95% bootstrap interval (scipy.stats.bootstrap, BCa, 2,000 resamples, seeded).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
+from scipy import stats
 
 from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Policy
-from services.scheduler.sim.bound import critical_path_s_per_step
-from services.scheduler.sim.cost import CostModel
 from services.scheduler.sim.engine import SimResult, Simulation
 from services.scheduler.sim.sample import ExecutionPlan, sample_executions
-from services.scheduler.sim.workload import Workload, load_workload_file
+from services.scheduler.sim.workload import ServiceSemantics, Workload, load_workload_file
+
+# What the paper's baselines do: no streaming trainer, no partial progress (resize is moot for them).
+PAPER_SEMANTICS = ServiceSemantics(
+    trainer_resize="step", trainer_streaming=False, train_unfinished_after_s=None
+)
 
 
-def _prepared(w: Workload) -> tuple[list[list[ExecutionPlan]], CostModel]:
-    return _prepared_json(w.model_dump_json())
+def _prepared(w: Workload) -> tuple[list[list[ExecutionPlan]], int]:
+    return _prepared_json(w.model_dump_json(exclude={"service"}))
 
 
-@lru_cache(maxsize=8)
-def _prepared_json(workload_json: str) -> tuple[list[list[ExecutionPlan]], CostModel]:
+@lru_cache(maxsize=16)
+def _prepared_json(workload_json: str) -> tuple[list[list[ExecutionPlan]], int]:
     w = Workload.model_validate_json(workload_json)
     execs = sample_executions(w)
     flat = [e.final_context for step in execs for e in step]
-    return execs, CostModel(w, sum(flat) / len(flat))
+    return execs, w.cost_model().engine_capacity(sum(flat) / len(flat))
 
 
-def simulate(w: Workload, policy: Policy) -> SimResult:
-    """One simulated run of `policy` on `w` (trajectories sampled once per workload and reused)."""
-    execs, cost = _prepared(w)
-    return Simulation(policy, cost, execs).run()
+def with_seed(w: Workload, seed: int) -> Workload:
+    return w.model_copy(update={"seed": seed})
+
+
+def with_semantics(w: Workload, sem: ServiceSemantics) -> Workload:
+    return w.model_copy(update={"service": sem})
+
+
+def simulate(w: Workload, policy: Policy, record_snapshots: bool = False) -> SimResult:
+    """One simulated run of `policy` on `w` (trajectories sampled once per workload and seed)."""
+    execs, capacity = _prepared(w)
+    return Simulation(policy, w, execs, capacity, record_snapshots=record_snapshots).run()
+
+
+def elastic_policy(w: Workload) -> ElasticPolicy:
+    """Elastic as it runs live: the staleness bound and the role-change cost of the deployment."""
+    return ElasticPolicy(staleness_bound=w.staleness_bound, role_change_s=w.costs.elastic_role_change_s)
 
 
 def sweep_async(w: Workload, coarse_points: int = 12) -> tuple[SimResult, int, dict[int, float]]:
@@ -56,8 +80,7 @@ def sweep_async(w: Workload, coarse_points: int = 12) -> tuple[SimResult, int, d
             runs[n] = simulate(w, AsyncPolicy(n, staleness_bound=w.staleness_bound))
             times[n] = runs[n].time_per_step_s
 
-    span = w.num_units - 1
-    stride = max(1, -(-span // coarse_points))
+    stride = max(1, -(-(w.num_units - 1) // coarse_points))
     for n in range(1, w.num_units, stride):
         run(n)
     while stride > 1:
@@ -72,34 +95,48 @@ def sweep_async(w: Workload, coarse_points: int = 12) -> tuple[SimResult, int, d
 def _summary(r: SimResult) -> dict[str, Any]:
     return {
         "time_per_step_s": round(r.time_per_step_s, 1),
+        "tokens_trained_per_step": round(r.tokens_trained_per_step),
+        "generated_trained_share": round(r.generated_trained_share, 4),
         "device_utilization": round(r.device_utilization, 4),
-        "device_idle_fraction": round(1 - r.device_utilization, 4),
         "max_staleness": r.max_staleness,
+        "kv_peak_share": round(r.kv_peak_share, 4),
         "num_migrations": r.num_migrations,
         "num_role_changes": r.num_role_changes,
         "num_parked": r.num_parked,
+        "num_preemptions": r.num_preemptions,
     }
 
 
 @dataclass
 class Comparison:
+    """Every row of one workload at one seed."""
+
     workload: Workload
     results: dict[str, SimResult]
     best_async_units: int
     async_sweep: dict[int, float]
-    elastic_policy: ElasticPolicy
-    bound_s_per_step: float
+
+    def ratios(self) -> dict[str, float]:
+        """Elastic's speedups (time per step of the other / Elastic's) at this seed."""
+        e = self.results["elastic"].time_per_step_s
+        best = min(self.results["async"].time_per_step_s, self.results["colocate"].time_per_step_s)
+        return {
+            "vs_colocate": self.results["colocate"].time_per_step_s / e,
+            "vs_async": self.results["async"].time_per_step_s / e,
+            "vs_best_baseline": best / e,
+            "vs_paper_colocate": self.results["paper_colocate"].time_per_step_s / e,
+            "vs_paper_async": self.results["paper_async"].time_per_step_s / e,
+        }
 
     def to_json(self) -> dict[str, Any]:
         w = self.workload
-        c, a, e = (self.results[k] for k in ("colocate", "async", "elastic"))
-        out: dict[str, Any] = {"workload": w.name}
+        out: dict[str, Any] = {"workload": w.name, "seed": w.seed}
         for name, r in self.results.items():
             out[name] = _summary(r)
+        c = self.results["colocate"]
         out["colocate"]["rollout_share"] = round(c.rollout_share, 4)
         out["colocate"]["tail_share"] = round(c.tail_share, 4)
-        out["speedup_vs_colocate"] = round(c.time_per_step_s / e.time_per_step_s, 3)
-        out["speedup_vs_async"] = round(a.time_per_step_s / e.time_per_step_s, 3)
+        out.update({f"speedup_{k}": round(v, 3) for k, v in self.ratios().items()})
         out["best_async_split"] = {
             "rollout_devices": self.best_async_units * w.devices_per_unit,
             "train_devices": (w.num_units - self.best_async_units) * w.devices_per_unit,
@@ -111,51 +148,86 @@ class Comparison:
         out["staleness_bound"] = w.staleness_bound
         out["engine_slots"] = c.extra["engine_slots"]
         out["devices_per_unit"] = w.devices_per_unit
-        out["trains_on_unfinished_executions"] = False
-        ep = self.elastic_policy
-        out["elastic_plan"] = {
-            "home_rollout_devices": (ep.base_rollout_devices or 0) * w.devices_per_unit,
-            "consolidates_tail": ep.consolidate,
-        }
-        b = self.bound_s_per_step
-        out["critical_path_bound"] = {
-            "time_per_step_s": round(b, 1),
-            "max_speedup_vs_colocate": round(c.time_per_step_s / b, 3),
-            "max_speedup_vs_async": round(a.time_per_step_s / b, 3),
-        }
+        out["service"] = w.service.model_dump()
         return out
 
 
-def plan_elastic(w: Workload, best_async_units: int) -> ElasticPolicy:
-    """Size Elastic the way an operator sizes Async, from the same sweep: its home split is the best
-    static split. It consolidates the tail (migrates live executions to lend engines) only when the
-    rollout is KV-bound, i.e. one batch does not fit in the home split's slots; otherwise decode is
-    bandwidth-bound, packing executions onto fewer engines slows them, and Elastic lends only an
-    emptied rollout (no live execution left) to the trainer."""
-    slots = _prepared(w)[1].engine_slots()
-    return ElasticPolicy(
-        staleness_bound=w.staleness_bound,
-        base_rollout_devices=best_async_units,
-        consolidate=w.executions_per_step > best_async_units * slots,
-    )
-
-
 def compare(w: Workload) -> Comparison:
-    """Colocate, best Async split and Elastic on `w`. Elastic's home split is the best static split
-    of the same sweep (the knowledge an operator sizing Async has; Elastic gets no sweep of its own)."""
+    """Every row (module docstring) on `w` at its seed."""
     a, n, sweep = sweep_async(w)
+    paper = with_semantics(w, PAPER_SEMANTICS)
+    half = max(1, w.num_units // 2)
     results = {
         "colocate": simulate(w, ColocatePolicy()),
         "async": a,
-        "elastic": simulate(w, plan_elastic(w, n)),
+        "elastic": simulate(w, elastic_policy(w)),
+        "paper_colocate": simulate(paper, ColocatePolicy()),
+        "paper_async": simulate(paper, AsyncPolicy(half, staleness_bound=w.staleness_bound)),
     }
-    return Comparison(w, results, n, sweep, plan_elastic(w, n), critical_path_bound(w))
+    return Comparison(w, results, n, sweep)
 
 
-def critical_path_bound(w: Workload) -> float:
-    """Time per step no policy can beat on `w` at its staleness bound (sim/bound.py)."""
-    execs, cost = _prepared(w)
-    return critical_path_s_per_step(execs, cost, w.staleness_bound)
+def interval(values: list[float], seed: int = 0) -> dict[str, float]:
+    """Mean and 95% bootstrap interval (BCa; percentile when BCa is undefined) of `values`."""
+    x = np.asarray(values, dtype=float)
+    mean = float(x.mean())
+    if len(x) < 2 or float(x.std()) == 0.0:
+        return {"mean": round(mean, 3), "low": round(mean, 3), "high": round(mean, 3)}
+    rng = np.random.default_rng(seed)
+    res = stats.bootstrap(
+        (x,), np.mean, confidence_level=0.95, n_resamples=2000, method="BCa", random_state=rng
+    )
+    low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    if not (np.isfinite(low) and np.isfinite(high)):
+        res = stats.bootstrap(
+            (x,), np.mean, confidence_level=0.95, n_resamples=2000, method="percentile", random_state=rng
+        )
+        low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    return {"mean": round(mean, 3), "low": round(low, 3), "high": round(high, 3)}
+
+
+@dataclass
+class SeedComparison:
+    """Every row of one workload over several seeds."""
+
+    workload: Workload
+    per_seed: list[Comparison] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        w = self.workload
+        out: dict[str, Any] = {
+            "workload": w.name,
+            "description": w.description,
+            "seeds": [c.workload.seed for c in self.per_seed],
+            "service": w.service.model_dump(),
+        }
+        names = list(self.per_seed[0].results)
+        for name in names:
+            runs = [c.results[name] for c in self.per_seed]
+            out[name] = {
+                "time_per_step_s": interval([r.time_per_step_s for r in runs]),
+                "tokens_trained_per_step": round(float(np.mean([r.tokens_trained_per_step for r in runs]))),
+                "generated_trained_share": round(
+                    float(np.mean([r.generated_trained_share for r in runs])), 4
+                ),
+                "device_utilization": round(float(np.mean([r.device_utilization for r in runs])), 4),
+                "max_staleness": max(r.max_staleness for r in runs),
+                "kv_peak_share": round(max(r.kv_peak_share for r in runs), 4),
+                "num_migrations": round(float(np.mean([r.num_migrations for r in runs])), 1),
+                "num_preemptions": round(float(np.mean([r.num_preemptions for r in runs])), 1),
+            }
+        out["best_async_rollout_devices"] = [c.best_async_units * w.devices_per_unit for c in self.per_seed]
+        keys = list(self.per_seed[0].ratios())
+        out["speedup"] = {k: interval([c.ratios()[k] for c in self.per_seed]) for k in keys}
+        out["speedup_per_seed"] = {k: [round(c.ratios()[k], 3) for c in self.per_seed] for k in keys}
+        return out
+
+
+def compare_seeds(w: Workload, num_seeds: int) -> SeedComparison:
+    """`compare` at seeds w.seed, w.seed + 1, ..., w.seed + num_seeds - 1."""
+    if num_seeds < 1:
+        raise ValueError(f"num_seeds must be >= 1, got {num_seeds}")
+    return SeedComparison(w, [compare(with_seed(w, w.seed + i)) for i in range(num_seeds)])
 
 
 def predict(
@@ -169,8 +241,8 @@ def predict(
 
     `workload` is a Workload, a workload YAML file, or a run YAML whose `scheduler.sim_workload`
     names one (relative to the run YAML); `policy` None means the run's `scheduler.policy` (else
-    elastic). For `async` (and Elastic's home split), the split is `num_rollout_devices` if given
-    (whole units), else the best split from a sweep. `measured` (the run's summary) is accepted for callers that pass it; the
+    elastic). For `async` the split is `num_rollout_devices` if given (whole units), else the best
+    split of a sweep. `measured` (the run's summary) is accepted for callers that pass it; the
     prediction does not use it, so predicted and measured stay independent."""
     del measured
     if not isinstance(workload, Workload):
@@ -180,8 +252,7 @@ def predict(
     if policy == "colocate":
         r = simulate(w, ColocatePolicy())
     elif policy == "elastic":
-        home = num_rollout_devices // w.devices_per_unit if num_rollout_devices else sweep_async(w)[1]
-        r = simulate(w, plan_elastic(w, max(1, min(w.num_units - 1, home))))
+        r = simulate(w, elastic_policy(w))
     elif policy == "async":
         if num_rollout_devices is None:
             r, n, _ = sweep_async(w)
@@ -189,11 +260,14 @@ def predict(
             n = max(1, min(w.num_units - 1, num_rollout_devices // w.devices_per_unit))
             r = simulate(w, AsyncPolicy(n, staleness_bound=w.staleness_bound))
         out = _summary(r)
+        out["device_idle_fraction"] = round(1 - r.device_utilization, 4)
         out["rollout_devices"] = n * w.devices_per_unit
         return out
     else:
         raise ValueError(f"unknown policy {policy!r}; choose colocate, async or elastic")
-    return _summary(r)
+    out = _summary(r)
+    out["device_idle_fraction"] = round(1 - r.device_utilization, 4)
+    return out
 
 
 def _workload_from_file(path: Path, policy: str | None) -> tuple[Workload, str | None]:

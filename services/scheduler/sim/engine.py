@@ -1,21 +1,35 @@
 """Discrete-event simulation, in virtual seconds, of one policy running one workload.
 
-The simulated cluster is a pool of scheduling units (one inference engine = `devices_per_unit`
-devices). The REAL policy class (services/scheduler/policies.py) is asked for a plan whenever
-something it looks at changes (an execution finishes or is admitted, a training step ends, a unit
-finishes a handoff); the simulator carries the plan out the way the live system does:
+The simulated cluster is a pool of scheduling units (one inference engine or one data-parallel
+trainer replica = `devices_per_unit` devices). The REAL policy class (services/scheduler/policies.py)
+is asked for a plan whenever something it looks at changes, on a snapshot built by the same
+function as the live plan loop's (services/scheduler/snapshot.py) from the same `WorkerLoad`
+fields; the simulator carries the plan out the way the live services do:
 
 - rollout -> train: the unit stops taking work, each resident execution is live-migrated (KV copy,
-  `CostModel.migration_s`) to the least-loaded other rollout unit with a free slot (or parked when
-  none has one), then the unit pays the role-change cost and joins the trainer;
-- train -> rollout: the unit leaves the trainer, pays the role-change cost, then takes executions.
+  `CostModel.migration_s`) to another rollout unit with room for its KV, or parked (KV offloaded to
+  host, paid both ways on resume) when none has room; then the unit pays the role change and joins
+  the trainer;
+- train -> rollout: the unit leaves the trainer at the trainer's next resize point (the end of the
+  current micro-batch round, or of the step with `trainer_resize: step`), pays the role change,
+  then takes executions.
 
-Executions: turn j = incremental prefill of obs[j], decode of gen[j] tokens at the unit's current
-memory-bound step time (fixed for the turn: quasi-static), then environment latency env_s[j] (the
-KV cache stays resident, holding a slot). Training: step k trains exactly batch k once all of its
-executions finished (equal work for every policy), as a fluid over the devices currently training
-(the trainer re-partitions the remaining micro-batches when its data-parallel group changes).
-Admission: batch k starts generating only when `may_start_batch(k, version, bound)` holds.
+Executions. Turn j = incremental prefill of obs[j], decode of gen[j] tokens at the unit's
+memory-bound step time when the turn starts (quasi-static), then environment latency env_s[j] (the
+KV stays resident). Admission is against each execution's actual KV size: before a turn, the
+execution reserves the KV of its context at the end of the turn; a unit never holds more reserved
+KV than its budget (`CostModel.kv_budget_bytes`) nor more executions than its max batch
+(`engine_capacity`). An execution whose next turn does not fit is preempted: migrated to a unit with
+room, else parked (offloaded to host and reloaded, both copies paid). The placement queue is FIFO
+(parked executions first) without bypass, so no execution starves. Batch k starts generating only
+when `may_start_batch(k, version, bound)` holds.
+
+Scoring (as the trajectory service): a group (one task's executions) is scored when all of them
+ended, or `train_unfinished_after_s` after its first one ended, whichever comes first; then the
+unfinished ones are trained on the tokens they have so far and keep running (the rollout is not told;
+what they generate later is not trained). Training: step k trains the scored groups of batch k, in
+micro-batch rounds of `train_microbatch_tokens` per data-parallel replica; streaming (the default)
+trains groups as they are scored, batch-synchronous waits for the whole batch.
 """
 
 from __future__ import annotations
@@ -23,13 +37,77 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
+from gyre.costmodel import CostModel
+from gyre.v1 import scheduler_pb2
 from services.scheduler.policies import DeviceState, Policy, PoolSnapshot, Role, may_start_batch
-from services.scheduler.sim.cost import CostModel
 from services.scheduler.sim.sample import ExecutionPlan
+from services.scheduler.sim.workload import Workload
+from services.scheduler.snapshot import pool_snapshot
 
 SWITCHING = "switching"
+
+
+# --- events (typed; the loop dispatches on the class) --------------------------------------------------
+@dataclass(frozen=True)
+class GenDone:
+    """Execution `eid` finished decoding its turn (stale when `token` no longer matches)."""
+
+    eid: int
+    token: int
+
+
+@dataclass(frozen=True)
+class EnvDone:
+    """The environment answered execution `eid` (stale when `token` no longer matches)."""
+
+    eid: int
+    token: int
+
+
+@dataclass(frozen=True)
+class CopyDone:
+    """One KV copy out of draining unit `uid` finished."""
+
+    uid: int
+
+
+@dataclass(frozen=True)
+class Switched:
+    """Unit `uid` finished its role change (stale when `token` no longer matches)."""
+
+    uid: int
+    token: int
+
+
+@dataclass(frozen=True)
+class RoundDone:
+    """The trainer finished one micro-batch round (stale when `token` no longer matches)."""
+
+    token: int
+
+
+@dataclass(frozen=True)
+class GroupCutoff:
+    """`train_unfinished_after_s` passed since the first execution of group (step, task) ended."""
+
+    step: int
+    task: int
+
+
+Event = GenDone | EnvDone | CopyDone | Switched | RoundDone | GroupCutoff
+
+
+class Phase(StrEnum):
+    """Where an execution is."""
+
+    PENDING = "pending"  # admitted, never placed
+    GEN = "gen"  # prefilling / decoding a turn on its unit
+    ENV = "env"  # waiting on the environment, KV resident on its unit
+    WAITING = "waiting"  # queued for a unit (preempted or parked), `resume_tokens` left of its turn
+    DONE = "done"
 
 
 @dataclass
@@ -39,11 +117,13 @@ class _Unit:
     moving: bool = False
     target: Role | None = None
     residents: set[int] = field(default_factory=set)
+    kv_reserved: float = 0.0
     decoding_ctx: float = 0.0
     num_generating: int = 0
     stall_until: float = 0.0
     token: int = 0
     pending_copies: int = 0
+    leaving_trainer: bool = False  # asked to leave; goes at the trainer's next resize point
 
     @property
     def device_id(self) -> str:
@@ -56,113 +136,136 @@ class _Exec:
     step: int
     plan: ExecutionPlan
     turn: int = 0
-    ctx: float = 0.0
+    ctx: float = 0.0  # tokens in its KV (prompt + observations + generated so far)
+    generated: float = 0.0  # generated tokens so far
     unit: int | None = None
-    phase: str = "pending"  # pending | gen | env | done
+    phase: Phase = Phase.PENDING
     token: int = 0
     start_version: int = -1
-    gen_ctx: float = 0.0
+    reserved: float = 0.0  # KV bytes reserved on its unit
     gen_start: float = 0.0
     gen_rate_s: float = 0.0
     gen_tokens: float = 0.0
-    resume_tokens: float = 0.0  # tokens of the current turn still to generate after a park
+    resume_tokens: float = 0.0  # tokens of the current turn still to generate (WAITING in a turn)
+    in_turn: bool = False  # WAITING with its current turn's prompt already prefilled
     ready_at: float = 0.0  # KV copy to its current unit done at this time
+    cut: bool = False  # scored partially; what it generates from now on is not trained
 
 
 @dataclass
 class SimResult:
-    """Outcome of one simulated run."""
+    """Outcome of one simulated run. Times in virtual seconds; measured after the warm-up steps."""
 
     policy: str
     step_done_s: list[float]
     time_per_step_s: float
     device_utilization: float
     max_staleness: int
-    rollout_share: float  # colocate only meaningful: rollout time / step time
+    rollout_share: float  # rollout span / (rollout span + training span) per batch, mean
     tail_share: float  # share of rollout time taken by the last 10% of executions (per step, mean)
+    tokens_trained_per_step: float  # context tokens trained per step (equal work check)
+    generated_trained_share: float  # share of generated tokens that got trained
+    kv_peak_share: float  # highest reserved KV of any unit over its budget (never above 1)
     num_migrations: int
     num_role_changes: int
-    num_parked: int
+    num_parked: int  # executions offloaded to host (no unit had room)
+    num_preemptions: int  # turns that did not fit their unit's KV budget
     timeline: list[tuple[int, float, float, str]]  # (unit, t0, t1, role label)
     utilization_series: list[tuple[float, float]]  # (t, busy share of devices)
+    snapshots: list[tuple[PoolSnapshot, tuple[Any, ...]]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Simulation:
     """One policy against one sampled workload. `run()` returns a SimResult."""
 
-    def __init__(self, policy: Policy, cost: CostModel, executions: list[list[ExecutionPlan]]) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        workload: Workload,
+        executions: list[list[ExecutionPlan]],
+        engine_capacity: int,
+        record_snapshots: bool = False,
+    ) -> None:
         self.policy = policy
-        self.cost = cost
-        self.w = cost.workload
+        self.w = workload
+        self.cost: CostModel = workload.cost_model()
+        self.sem = workload.service
         self.bound = policy.staleness_bound
         self.colocate = policy.name == "colocate"
-        self.slots = cost.engine_slots()
-        self.units = [_Unit(i, Role.IDLE) for i in range(self.w.num_units)]
+        self.slots = engine_capacity
+        self.kv_budget = self.cost.kv_budget_bytes()
+        self.record = record_snapshots
+        self.units = [_Unit(i, Role.IDLE) for i in range(workload.num_units)]
         self.execs: list[_Exec] = []
         self.batches: list[list[int]] = []
+        self.groups: dict[tuple[int, int], list[int]] = {}
         for k, plans in enumerate(executions):
             ids = []
             for p in plans:
                 e = _Exec(len(self.execs), k, p)
                 self.execs.append(e)
                 ids.append(e.eid)
+                self.groups.setdefault((k, p.task), []).append(e.eid)
             self.batches.append(ids)
-        self.remaining = [len(b) for b in self.batches]
-        self.batch_flops = [
-            sum(cost.train_flops(self.execs[i].plan.final_context) for i in b) for b in self.batches
-        ]
-        self.next_batch = 0  # first batch not yet admitted
-        self.queue: list[int] = []  # admitted, waiting for a slot (parked ones at the front)
+        self.groups_left = [len({self.execs[i].plan.task for i in b}) for b in self.batches]
+        self.group_scored: set[tuple[int, int]] = set()
+        self.cutoff_armed: set[tuple[int, int]] = set()
+        self.next_batch = 0
+        self.queue: list[int] = []  # executions waiting for a unit, in order (no bypass)
         self.live = 0
         self.version = 0
-        self.complete: list[int] = []  # complete batches not trained yet
-        self.train_step: int | None = None
-        self.train_left = 0.0
-        self.train_last = 0.0
-        self.train_token = 0
+        # trainer
+        self.scored_flops = [0.0] * len(self.batches)  # flops of scored groups per batch
+        self.trained_flops = 0.0  # flops of the current step trained or in the running round
+        self.round_token = 0
+        self.round_units: set[int] = set()
+        self.round_work = 0.0
+        self.step_units: set[int] | None = None  # 'step' resize: the replicas of the running step
+        self.step_started: float | None = None
+        self.last_step_s = 0.0
         self.step_done: list[float] = []
-        self.heap: list[tuple[float, int, str, int, int]] = []
+        self.tokens_trained = [0.0] * len(self.batches)
+        self.gen_trained = [0.0] * len(self.batches)
+        self.batch_tokens = [sum(self.execs[i].plan.final_context for i in b) for b in self.batches]
+        self.batch_flops = [
+            sum(self.cost.train_flops(self.execs[i].plan.final_context) for i in b) for b in self.batches
+        ]
+        self.heap: list[tuple[float, int, Event]] = []
         self.seq = itertools.count()
         self.now = 0.0
         # accounting
         self.busy_devices = 0
-        self.busy_gpu_s = 0.0
-        self.busy_since = 0.0
         self.util_events: list[tuple[float, int]] = []
         self.role_since = [0.0] * len(self.units)
         self.timeline: list[tuple[int, float, float, str]] = []
         self.first_start: dict[int, float] = {}
         self.finish_times: list[list[float]] = [[] for _ in self.batches]
+        self.scored_at: dict[int, float] = {}
         self.num_migrations = 0
         self.num_role_changes = 0
         self.num_parked = 0
+        self.num_preemptions = 0
+        self.kv_peak = 0.0
         self.staleness: list[int] = []
         self.rollout_spans: list[float] = []
         self.train_spans: list[float] = []
-        self.train_started = 0.0
+        self.snapshots: list[tuple[PoolSnapshot, tuple[Any, ...]]] = []
 
     # --- event plumbing ---------------------------------------------------------------------------
-    def _push(self, t: float, kind: str, a: int, b: int = 0) -> None:
-        heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
+    def _push(self, t: float, event: Event) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), event))
 
     def _busy(self, delta_devices: int) -> None:
-        self.busy_gpu_s += self.busy_devices * (self.now - self.busy_since)
-        self.busy_since = self.now
         self.busy_devices += delta_devices
         self.util_events.append((self.now, self.busy_devices))
 
-    def _set_role(self, u: _Unit, label: Role | str) -> None:
-        prev = self._label(u)
+    def _set_role(self, u: _Unit, role: Role) -> None:
+        prev = SWITCHING if u.moving else str(u.role)
         if self.now > self.role_since[u.uid]:
             self.timeline.append((u.uid, self.role_since[u.uid], self.now, prev))
         self.role_since[u.uid] = self.now
-        if isinstance(label, Role):
-            u.role = label
-
-    @staticmethod
-    def _label(u: _Unit) -> str:
-        return SWITCHING if u.moving else str(u.role)
+        u.role = role
 
     # --- main loop --------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -170,13 +273,24 @@ class Simulation:
         self._initial_roles()
         self._fill_slots()
         self._plan()
-        n = self.w.num_steps
-        while len(self.step_done) < n:
+        while len(self.step_done) < self.w.num_steps:
             if not self.heap:
                 raise RuntimeError(f"simulation of {self.policy.describe()} stalled at t={self.now:.0f}s")
-            t, _, kind, a, b = heapq.heappop(self.heap)
+            t, _, event = heapq.heappop(self.heap)
             self.now = t
-            getattr(self, "_on_" + kind)(a, b)
+            match event:
+                case GenDone(eid, token):
+                    self._on_gen_done(eid, token)
+                case EnvDone(eid, token):
+                    self._on_env_done(eid, token)
+                case CopyDone(uid):
+                    self._on_copy_done(uid)
+                case Switched(uid, token):
+                    self._on_switched(uid, token)
+                case RoundDone(token):
+                    self._on_round_done(token)
+                case GroupCutoff(step, task):
+                    self._score_group(step, task)
         return self._result()
 
     def _initial_roles(self) -> None:
@@ -193,50 +307,116 @@ class Simulation:
         while self.next_batch < len(self.batches) and may_start_batch(
             self.next_batch, self.version, self.bound
         ):
-            self.queue.extend(self.batches[self.next_batch])
+            for eid in self.batches[self.next_batch]:
+                e = self.execs[eid]
+                e.start_version = self.version
+                self.live += 1
+                self.queue.append(eid)
+            self.first_start.setdefault(self.next_batch, self.now)
             self.next_batch += 1
 
-    def _free_units(self) -> list[_Unit]:
-        return [
-            u for u in self.units if u.role == Role.ROLLOUT and not u.moving and len(u.residents) < self.slots
-        ]
+    def _need(self, e: _Exec) -> float:
+        """KV bytes `e` must hold on a unit to go on: to the end of its current or next turn."""
+        if e.phase == Phase.ENV:
+            return self.cost.kv_bytes(e.ctx)
+        if e.in_turn:
+            return self.cost.kv_bytes(e.ctx + e.resume_tokens)
+        return self.cost.kv_bytes(e.ctx + e.plan.obs[e.turn] + e.plan.gen[e.turn])
+
+    def _rollout_units(self) -> list[_Unit]:
+        return [u for u in self.units if u.role == Role.ROLLOUT and not u.moving]
+
+    def _room(self, u: _Unit, need: float) -> bool:
+        return len(u.residents) < self.slots and u.kv_reserved + need <= self.kv_budget
+
+    def _pick(self, need: float, exclude: int | None = None) -> _Unit | None:
+        """The router's choice: the unit with room and the least KV, lowest ID on ties."""
+        fits = [u for u in self._rollout_units() if u.uid != exclude and self._room(u, need)]
+        return min(fits, key=lambda x: (x.kv_reserved, x.uid)) if fits else None
+
+    def _reserve(self, e: _Exec, u: _Unit, need: float) -> None:
+        u.kv_reserved += need - e.reserved
+        e.reserved = need
+        self.kv_peak = max(self.kv_peak, u.kv_reserved / self.kv_budget)
+
+    def _attach(self, e: _Exec, u: _Unit, need: float) -> None:
+        u.residents.add(e.eid)
+        e.unit = u.uid
+        self._reserve(e, u, need)
+
+    def _detach(self, e: _Exec) -> _Unit:
+        u = self.units[e.unit]  # type: ignore[index]
+        u.residents.discard(e.eid)
+        u.kv_reserved -= e.reserved
+        e.reserved = 0.0
+        e.unit = None
+        return u
 
     def _fill_slots(self) -> None:
         while self.queue:
-            free = self._free_units()
-            if not free:
-                return
-            u = min(free, key=lambda x: (len(x.residents), x.decoding_ctx, x.uid))
-            e = self.execs[self.queue.pop(0)]
-            self._place(e, u)
+            e = self.execs[self.queue[0]]
+            need = self._need(e)
+            u = self._pick(need)
+            if u is None:
+                return  # FIFO without bypass: the head waits for room, nobody overtakes it
+            self.queue.pop(0)
+            self._attach(e, u, need)
+            if e.phase == Phase.PENDING:
+                e.ready_at = self.now
+                self._start_turn(e)
+            else:  # parked: its KV comes back from host memory first
+                e.ready_at = self.now + 2 * self.cost.offload_s(e.ctx)  # copied out, then back
+                self._resume(e)
 
-    def _place(self, e: _Exec, u: _Unit) -> None:
-        u.residents.add(e.eid)
-        e.unit = u.uid
-        if e.phase == "pending":
-            e.start_version = self.version
-            self.live += 1
-            self.first_start.setdefault(e.step, self.now)
-            e.ready_at = self.now
-            self._start_turn(e, self.now)
-        else:  # parked earlier: its KV comes back from host memory
-            self._resume_parked(e, u)
-
-    def live_versions(self) -> list[int]:
-        return [self.execs[i].start_version for u in self.units for i in u.residents]
+    def _resume(self, e: _Exec) -> None:
+        u = self.units[e.unit]  # type: ignore[index]
+        if e.in_turn:
+            e.in_turn = False
+            self._begin_gen(e, u, max(e.ready_at, u.stall_until), e.resume_tokens)
+        elif e.phase == Phase.ENV:
+            pass  # its environment is still running; EnvDone starts the next turn
+        else:
+            self._start_turn(e)
 
     # --- execution life -----------------------------------------------------------------------------
-    def _start_turn(self, e: _Exec, t: float) -> None:
+    def _start_turn(self, e: _Exec) -> None:
         u = self.units[e.unit]  # type: ignore[index]
+        need = self.cost.kv_bytes(e.ctx + e.plan.obs[e.turn] + e.plan.gen[e.turn])
+        if u.kv_reserved - e.reserved + need > self.kv_budget:
+            self._preempt(e, u, need)
+            return
+        self._reserve(e, u, need)
         o = e.plan.obs[e.turn]
         prefill = self.cost.prefill_s(o, e.ctx)
         e.ctx += o
-        self._begin_gen(e, u, max(t, u.stall_until, e.ready_at) + prefill, e.plan.gen[e.turn])
+        self._begin_gen(e, u, max(self.now, u.stall_until, e.ready_at) + prefill, e.plan.gen[e.turn])
+
+    def _preempt(self, e: _Exec, u: _Unit, need: float) -> None:
+        """The next turn of `e` does not fit on `u`: move it to a unit with room, else park it."""
+        self.num_preemptions += 1
+        self._detach(e)
+        e.phase = Phase.WAITING
+        d = self._pick(need, exclude=u.uid)
+        if d is not None and not self.queue:
+            self.num_migrations += 1
+            self._attach(e, d, need)
+            e.ready_at = self.now + self.cost.migration_s(e.ctx)
+            self._start_turn(e)
+            return
+        self.num_parked += 1
+        self.queue.insert(self._parked_end(), e.eid)
+        self._fill_slots()
+
+    def _parked_end(self) -> int:
+        """Queue position after the parked executions (they go before never-started ones)."""
+        n = 0
+        while n < len(self.queue) and self.execs[self.queue[n]].phase != Phase.PENDING:
+            n += 1
+        return n
 
     def _begin_gen(self, e: _Exec, u: _Unit, start: float, tokens: float) -> None:
         step_s = self.cost.decode_step_s(u.decoding_ctx + e.ctx)
-        e.phase = "gen"
-        e.gen_ctx = e.ctx
+        e.phase = Phase.GEN
         e.gen_start = start
         e.gen_rate_s = step_s
         e.gen_tokens = tokens
@@ -245,53 +425,85 @@ class Simulation:
         if u.num_generating == 1:
             self._busy(self.w.devices_per_unit)
         e.token += 1
-        self._push(start + tokens * step_s, "gen_done", e.eid, e.token)
+        self._push(start + tokens * step_s, GenDone(e.eid, e.token))
 
-    def _end_gen(self, e: _Exec) -> None:
+    def _end_gen(self, e: _Exec, done_tokens: float) -> None:
         u = self.units[e.unit]  # type: ignore[index]
-        u.decoding_ctx -= e.gen_ctx
+        u.decoding_ctx -= e.ctx
         u.num_generating -= 1
         if u.num_generating == 0:
             self._busy(-self.w.devices_per_unit)
+        e.ctx += done_tokens
+        e.generated += done_tokens
 
     def _on_gen_done(self, eid: int, token: int) -> None:
         e = self.execs[eid]
         if token != e.token:
             return
-        self._end_gen(e)
-        e.ctx += e.gen_tokens
+        self._end_gen(e, e.gen_tokens)
         e.turn += 1
         if e.turn >= len(e.plan.gen):
             self._finish(e)
             return
-        e.phase = "env"
+        e.phase = Phase.ENV
         e.token += 1
-        self._push(self.now + e.plan.env_s[e.turn - 1], "env_done", e.eid, e.token)
+        self._push(self.now + e.plan.env_s[e.turn - 1], EnvDone(e.eid, e.token))
 
     def _on_env_done(self, eid: int, token: int) -> None:
         e = self.execs[eid]
         if token != e.token:
             return
-        if e.unit is None:  # parked: the next turn starts when it is placed again
-            e.phase = "parked_ready"
+        if e.unit is None:  # parked during its environment wait: the next turn starts once placed
+            e.phase = Phase.WAITING
             return
-        self._start_turn(e, self.now)
+        self._start_turn(e)
 
     def _finish(self, e: _Exec) -> None:
-        u = self.units[e.unit]  # type: ignore[index]
-        u.residents.discard(e.eid)
-        e.unit = None
-        e.phase = "done"
+        self._detach(e)
+        e.phase = Phase.DONE
         self.live -= 1
         k = e.step
         self.finish_times[k].append(self.now)
-        self.staleness.append(k - e.start_version)
-        self.remaining[k] -= 1
-        if self.remaining[k] == 0:
-            self.rollout_spans.append(self.now - self.first_start[k])
-            self.complete.append(k)
-            self._maybe_start_training()
+        key = (k, e.plan.task)
+        if key not in self.group_scored:
+            members = self.groups[key]
+            if all(self.execs[i].phase == Phase.DONE for i in members):
+                self._score_group(*key)
+            elif key not in self.cutoff_armed and self.sem.train_unfinished_after_s is not None:
+                self.cutoff_armed.add(key)
+                self._push(self.now + self.sem.train_unfinished_after_s, GroupCutoff(*key))
         self._fill_slots()
+        self._plan()
+
+    # --- scoring (as the trajectory service) -----------------------------------------------------------
+    def _tokens_so_far(self, e: _Exec) -> tuple[float, float]:
+        """(context tokens, generated tokens) of `e` now, counting the current turn's decoded part."""
+        if e.phase != Phase.GEN:
+            return e.ctx, e.generated
+        done = min(e.gen_tokens, max(0.0, (self.now - e.gen_start) / e.gen_rate_s))
+        return e.ctx + done, e.generated + done
+
+    def _score_group(self, k: int, task: int) -> None:
+        key = (k, task)
+        if key in self.group_scored:
+            return
+        self.group_scored.add(key)
+        flops = 0.0
+        for i in self.groups[key]:
+            e = self.execs[i]
+            ctx, gen = self._tokens_so_far(e)
+            if e.phase != Phase.DONE:
+                e.cut = True
+            flops += self.cost.train_flops(ctx)
+            self.tokens_trained[k] += ctx
+            self.gen_trained[k] += gen
+            self.staleness.append(k - e.start_version)
+        self.scored_flops[k] += flops
+        self.groups_left[k] -= 1
+        if self.groups_left[k] == 0:
+            self.scored_at[k] = self.now
+            self.rollout_spans.append(self.now - self.first_start[k])
+        self._train()
         self._plan()
 
     # --- live migration -------------------------------------------------------------------------------
@@ -299,44 +511,34 @@ class Simulation:
         """Move every execution resident on `u` elsewhere; nothing is aborted, tokens so far are kept."""
         for eid in sorted(u.residents):
             e = self.execs[eid]
-            left = 0.0
-            if e.phase == "gen":
+            if e.phase == Phase.GEN:
                 done = min(e.gen_tokens, max(0.0, (self.now - e.gen_start) / e.gen_rate_s))
                 left = e.gen_tokens - done
-                self._end_gen(e)
+                self._end_gen(e, done)
                 e.token += 1
-                e.ctx += done
-            u.residents.discard(eid)
-            dests = [x for x in self._free_units() if x.uid != u.uid]
-            if not dests:  # parked until a slot exists (DESIGN: "or parked until one exists")
-                e.unit = None
-                self.num_parked += 1
+                e.in_turn = True
                 e.resume_tokens = left
-                e.phase = "parked_gen" if e.phase == "gen" else "parked_env"
-                self.queue.insert(0, eid)
+                e.phase = Phase.WAITING
+            need = self._need(e)
+            self._detach(e)
+            d = self._pick(need, exclude=u.uid) if not self.queue else None
+            if d is None:  # parked until a unit has room (DESIGN: "or parked until one exists")
+                self.num_parked += 1
+                if e.phase == Phase.ENV:
+                    pass  # its environment keeps running; it waits in the queue meanwhile
+                self.queue.insert(self._parked_end(), eid)
                 continue
-            d = min(dests, key=lambda x: (len(x.residents), x.decoding_ctx, x.uid))
-            copy = self.cost.migration_s(e.ctx)
             self.num_migrations += 1
-            d.residents.add(eid)
-            e.unit = d.uid
-            e.ready_at = self.now + copy
-            if e.phase == "gen":
-                self._begin_gen(e, d, max(e.ready_at, d.stall_until), left)
-            # env phase: the copy overlaps the environment; the next turn waits for ready_at.
+            self._attach(e, d, need)
+            e.ready_at = self.now + self.cost.migration_s(e.ctx)
+            if e.in_turn:
+                e.in_turn = False
+                self._begin_gen(e, d, max(e.ready_at, d.stall_until), e.resume_tokens)
+            # ENV phase: the copy overlaps the environment; the next turn waits for ready_at.
             u.pending_copies += 1
-            self._push(e.ready_at, "copy_done", u.uid, 0)
+            self._push(e.ready_at, CopyDone(u.uid))
 
-    def _resume_parked(self, e: _Exec, u: _Unit) -> None:
-        e.ready_at = self.now + self.cost.migration_s(e.ctx)
-        if e.phase == "parked_gen":
-            self._begin_gen(e, u, max(e.ready_at, u.stall_until), e.resume_tokens)
-        elif e.phase == "parked_ready":
-            self._start_turn(e, self.now)
-        else:  # parked_env: env_done starts the next turn
-            e.phase = "env"
-
-    def _on_copy_done(self, uid: int, _: int) -> None:
+    def _on_copy_done(self, uid: int) -> None:
         u = self.units[uid]
         u.pending_copies -= 1
         if u.pending_copies == 0 and not u.residents and u.moving:
@@ -348,23 +550,27 @@ class Simulation:
         if u.moving or u.role == to:
             return
         self.num_role_changes += 1
-        self._set_role(u, u.role)
         was = u.role
-        if was == Role.TRAIN:
-            self._trainer_book()
-            if self.train_step is not None:
-                self._busy(-self.w.devices_per_unit)
+        self._set_role(u, was)
         u.moving = True
         u.target = to
         if was == Role.TRAIN:
-            self._trainer_update()
-            self._drained(u)
+            if self._in_use_by_trainer(uid):
+                u.leaving_trainer = True  # it goes at the trainer's next resize point (_leave_trainer)
+            else:
+                self._drained(u)
         elif was == Role.ROLLOUT:
             self._migrate_out(u)
             if not u.residents and u.pending_copies == 0:
                 self._drained(u)
+            self._fill_slots()
         else:
             self._drained(u)
+
+    def _in_use_by_trainer(self, uid: int) -> bool:
+        if self.sem.trainer_resize == "step" and self.step_units is not None:
+            return uid in self.step_units
+        return uid in self.round_units
 
     def _drained(self, u: _Unit) -> None:
         c = self.w.costs
@@ -373,126 +579,150 @@ class Simulation:
         else:
             cost = c.elastic_role_change_s
         u.token += 1
-        self._push(self.now + cost, "switched", u.uid, u.token)
+        self._push(self.now + cost, Switched(u.uid, u.token))
 
     def _on_switched(self, uid: int, token: int) -> None:
         u = self.units[uid]
         if token != u.token:
             return
         to = u.target or Role.IDLE
-        if to == Role.TRAIN:
-            self._trainer_book()
         self._set_role(u, to)
         u.moving = False
         u.target = None
-        if to == Role.TRAIN:
-            if self.train_step is not None:
-                self._busy(self.w.devices_per_unit)
-            self._trainer_update()
+        if to == Role.ROLLOUT and not self.colocate:
+            u.stall_until = self.now  # it loads the newest weights while switching
         self._fill_slots()
+        self._train()
         self._plan()
 
     def _plan(self) -> None:
         for m in self.policy.plan(self._snapshot()):
             self._apply(int(m.device_id[1:]), m.to_role)
 
-    def _snapshot(self) -> PoolSnapshot:
-        devices = tuple(
-            DeviceState(u.device_id, (u.target or u.role) if u.moving else u.role, u.moving, len(u.residents))
-            for u in self.units
-        )
-        oldest = min(self.live_versions(), default=self.version)
-        return PoolSnapshot(
-            devices=devices,
+    # --- the policy's inputs: the live fields, through the live function -------------------------------------
+    def loads(self) -> tuple[scheduler_pb2.WorkerLoad, scheduler_pb2.WorkerLoad]:
+        """What the rollout and the trainer would report to the scheduler now (proto WorkerLoad)."""
+        resident = [self.execs[i] for u in self.units for i in u.residents]
+        versions = [e.start_version for e in resident] + [self.execs[i].start_version for i in self.queue]
+        rollout = scheduler_pb2.WorkerLoad(
             live_executions=self.live,
-            queued_generations=sum(1 for i in self.queue if self.execs[i].phase == "pending"),
+            queued_generations=len(self.queue),
+            running_generations=sum(u.num_generating for u in self.units),
+            waiting_on_environment=sum(1 for e in resident if e.phase == Phase.ENV),
+            weight_version=min(versions, default=self.version),
             engine_capacity=self.slots,
-            trainer_backlog=self._trainable_backlog(),
-            trainer_busy=self.train_step is not None,
-            latest_version=self.version,
-            oldest_live_version=oldest,
-            staleness_bound=self.bound,
-            trainer_work_device_s=self._trainer_work_unit_s(),
-            role_change_s=self.w.costs.elastic_role_change_s,
         )
+        trainer = scheduler_pb2.WorkerLoad(
+            trainer_backlog_batches=self._trainer_backlog(),
+            trainer_step_s=self.last_step_s,
+            weight_version=self.version,
+        )
+        return rollout, trainer
 
-    def _trainer_work_unit_s(self) -> float:
-        """Training work running or waiting in order, in scheduling-unit-seconds."""
-        flops = 0.0
-        if self.train_step is not None:
-            rate = self.cost.train_flops_per_s(self._train_devices())
-            flops += max(0.0, self.train_left - rate * (self.now - self.train_last))
-        first = len(self.step_done) + (1 if self.train_step is not None else 0)
-        for k in range(first, first + self._trainable_backlog()):
-            flops += self.batch_flops[k]
-        return flops / self.cost.train_flops_per_s(self.w.devices_per_unit)
+    def devices(self) -> list[DeviceState]:
+        return [
+            DeviceState(u.device_id, (u.target or u.role) if u.moving else u.role, u.moving)
+            for u in self.units
+        ]
 
-    def _trainable_backlog(self) -> int:
-        """Complete batches the trainer could train in order (step k needs batch k)."""
-        done = set(self.complete)
-        k = len(self.step_done) + (1 if self.train_step is not None else 0)
+    def _snapshot(self) -> PoolSnapshot:
+        rollout, trainer = self.loads()
+        devices = self.devices()
+        snap = pool_snapshot(
+            devices, [rollout], [trainer], default_engine_capacity=self.slots, staleness_bound=self.bound
+        )
+        if self.record:
+            self.snapshots.append((snap, (devices, rollout, trainer)))
+        return snap
+
+    def _trainer_backlog(self) -> int:
+        """Steps with scored work waiting or running, in order (the live trainer's backlog)."""
+        k = len(self.step_done)
         n = 0
-        while k + n in done:
+        while k + n < len(self.batches) and self._available(k + n) > 0:
             n += 1
         return n
 
     # --- training -------------------------------------------------------------------------------------------
-    def _train_devices(self) -> int:
-        return sum(self.w.devices_per_unit for u in self.units if u.role == Role.TRAIN and not u.moving)
+    def _available(self, k: int) -> float:
+        """FLOPs of batch k the trainer may train now (streaming: scored groups; else whole batch)."""
+        if not self.sem.trainer_streaming and self.groups_left[k] > 0:
+            return 0.0
+        trained = self.trained_flops if k == len(self.step_done) else 0.0
+        return self.scored_flops[k] - trained
 
-    def _trainer_book(self) -> None:
-        """Book the work done at the old rate up to now."""
-        if self.train_step is not None:
-            rate = self.cost.train_flops_per_s(self._train_devices())
-            self.train_left -= rate * (self.now - self.train_last)
-        self.train_last = self.now
+    def _train_units(self) -> set[int]:
+        return {u.uid for u in self.units if u.role == Role.TRAIN and not u.moving}
 
-    def _trainer_update(self) -> None:
-        """(Re)schedule the end of the current step at the current number of training devices."""
-        self.train_last = self.now
-        self.train_token += 1
-        if self.train_step is None:
+    def _train(self) -> None:
+        """Start a micro-batch round if the trainer is free, has replicas and has work."""
+        if self.round_units or len(self.step_done) >= len(self.batches):
             return
-        rate = self.cost.train_flops_per_s(self._train_devices())
-        if rate > 0:
-            self._push(self.now + max(0.0, self.train_left) / rate, "train_done", self.train_token)
+        k = len(self.step_done)
+        avail = self._available(k)
+        if avail <= 0:
+            return
+        if self.sem.trainer_resize == "step":
+            if self.step_units is None and any(u.moving and u.target == Role.TRAIN for u in self.units):
+                return  # a step starts with the whole group it is being given, not with the first arrival
+            if self.step_units is None:
+                self.step_units = self._train_units()
+            units = set(self.step_units)
+        else:
+            units = self._train_units()
+        if not units:
+            if self.step_units is not None and not self.step_units:
+                self.step_units = None  # a step cannot start without replicas: decide again later
+            return
+        if self.step_started is None:
+            self.step_started = self.now
+        per_token = self.batch_flops[k] / self.batch_tokens[k]
+        quantum = per_token * self.w.costs.train_microbatch_tokens
+        work = min(avail, len(units) * quantum)
+        rate = self.cost.train_flops_per_s(len(units) * self.w.devices_per_unit)
+        self.round_units = units
+        self.round_work = work
+        self.trained_flops += work
+        self.round_token += 1
+        self._busy(len(units) * self.w.devices_per_unit)
+        self._push(self.now + work / rate, RoundDone(self.round_token))
 
-    def _maybe_start_training(self) -> None:
-        if self.train_step is not None or not self.complete:
+    def _on_round_done(self, token: int) -> None:
+        if token != self.round_token:
             return
-        k = min(self.complete)
-        if k != len(self.step_done):
-            return
-        self.complete.remove(k)
-        self.train_step = k
-        self.train_started = self.now
-        self.train_left = sum(
-            self.cost.train_flops(self.execs[i].plan.final_context) for i in self.batches[k]
-        )
-        self._busy(self._train_devices())
-        self._trainer_update()
+        self._busy(-len(self.round_units) * self.w.devices_per_unit)
+        self.round_units = set()
+        k = len(self.step_done)
+        if self.groups_left[k] == 0 and self.trained_flops >= self.scored_flops[k] * (1 - 1e-12):
+            self._end_step(k)
+        if self.sem.trainer_resize == "microbatch" or self.step_units is None:
+            self._leave_trainer()
+        self._train()
+        self._plan()
 
-    def _on_train_done(self, token: int, _: int) -> None:
-        if token != self.train_token or self.train_step is None:
-            return
-        self._busy(-self._train_devices())
-        self.train_spans.append(self.now - self.train_started)
+    def _leave_trainer(self) -> None:
+        for u in self.units:
+            if u.leaving_trainer and not self._in_use_by_trainer(u.uid):
+                u.leaving_trainer = False
+                self._drained(u)
+
+    def _end_step(self, k: int) -> None:
+        self.train_spans.append(self.now - (self.step_started or self.now))
+        self.last_step_s = self.now - (self.step_started or self.now)
         self.step_done.append(self.now)
-        self.train_step = None
+        self.step_started = None
+        self.step_units = None
+        self.trained_flops = 0.0
         self.version += 1
         if not self.colocate:
-            for u in self.units:
-                if u.role == Role.ROLLOUT and not u.moving:
-                    u.stall_until = self.now + self.w.costs.weight_sync_s
+            for u in self._rollout_units():
+                u.stall_until = self.now + self.w.costs.weight_sync_s
         self._admit()
-        self._maybe_start_training()
-        self._plan()
         self._fill_slots()
 
     # --- results ---------------------------------------------------------------------------------------------
     def _result(self) -> SimResult:
         w = self.w
-        self._busy(0)
         for u in self.units:
             self._set_role(u, u.role)
         t0 = self.step_done[w.warmup_steps - 1] if w.warmup_steps > 0 else 0.0
@@ -509,8 +739,9 @@ class Simulation:
             p90 = ts[int(0.9 * len(ts)) - 1]
             if end > start:
                 tails.append((end - p90) / (end - start))
-        spans = [r / (r + t) for r, t in zip(self.rollout_spans, self.train_spans, strict=False)]
-        series = [(t, b / w.num_devices) for t, b in self.util_events]
+        spans = [r / (r + t) for r, t in zip(self.rollout_spans, self.train_spans, strict=False) if r + t > 0]
+        measured = range(w.warmup_steps, w.num_steps)
+        planned_gen = sum(sum(self.execs[i].plan.gen) for k in measured for i in self.batches[k])
         return SimResult(
             policy=self.policy.describe(),
             step_done_s=self.step_done,
@@ -519,11 +750,18 @@ class Simulation:
             max_staleness=max(self.staleness) if self.staleness else 0,
             rollout_share=sum(spans) / len(spans) if spans else 0.0,
             tail_share=sum(tails) / len(tails) if tails else 0.0,
+            tokens_trained_per_step=sum(self.tokens_trained[k] for k in measured) / n,
+            generated_trained_share=sum(self.gen_trained[k] for k in measured) / planned_gen
+            if planned_gen
+            else 1.0,
+            kv_peak_share=self.kv_peak,
             num_migrations=self.num_migrations,
             num_role_changes=self.num_role_changes,
             num_parked=self.num_parked,
+            num_preemptions=self.num_preemptions,
             timeline=self.timeline,
-            utilization_series=series,
+            utilization_series=[(t, b / w.num_devices) for t, b in self.util_events],
+            snapshots=self.snapshots,
             extra={"engine_slots": self.slots},
         )
 
@@ -542,3 +780,16 @@ def _integrate(events: list[tuple[float, int]], t0: float, t1: float) -> float:
         value = v
     total += value * (t1 - last)
     return total
+
+
+__all__ = [
+    "Event",
+    "GenDone",
+    "EnvDone",
+    "CopyDone",
+    "Switched",
+    "RoundDone",
+    "GroupCutoff",
+    "Simulation",
+    "SimResult",
+]

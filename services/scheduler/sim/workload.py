@@ -13,6 +13,17 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gyre.costmodel import (
+    DEFAULT_COSTS,
+    H200,
+    MODEL_8B,
+    MODEL_32B,
+    CostModel,
+    CostSpec,
+    HardwareSpec,
+    ModelSpec,
+)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -77,62 +88,31 @@ class Domain(_Strict):
     )
 
 
-class ModelSpec(_Strict):
-    """The policy model, as far as costs go."""
+class ServiceSemantics(_Strict):
+    """What the live services do, as the simulator models it (defaults: what they do today)."""
 
-    params: float = Field(..., gt=0, description="Parameters N (dense, or active for MoE compute).")
-    weight_bytes: float = Field(..., gt=0, description="Bytes of weights read per decode step (BF16: 2N).")
-    kv_bytes_per_token: float = Field(
-        ..., gt=0, description="KV cache bytes per token of context, all layers."
+    trainer_resize: Literal["microbatch", "step"] = Field(
+        default="microbatch",
+        description=(
+            "When the trainer's data-parallel group changes size: 'microbatch' at the next micro-batch boundary "
+            "(the live trainer streams a step in micro-batches), 'step' only between optimizer steps."
+        ),
     )
-    num_layers: int = Field(..., gt=0, description="Transformer layers (attention FLOPs).")
-    attention_dim: int = Field(..., gt=0, description="Query heads x head dim (attention FLOPs).")
-
-
-class HardwareSpec(_Strict):
-    """One accelerator kind."""
-
-    hbm_bytes: float = Field(..., gt=0, description="HBM per device (bytes).")
-    hbm_bandwidth_bytes_s: float = Field(..., gt=0, description="HBM bandwidth per device (bytes/s).")
-    bandwidth_efficiency: float = Field(
-        default=0.8, gt=0, le=1, description="Achieved share of HBM bandwidth in decode."
+    trainer_streaming: bool = Field(
+        default=True,
+        description=(
+            "The trainer trains a step's groups as they are scored (live: it pulls packed batches as they are "
+            "ready); false = batch-synchronous, step k starts once all of batch k is scored."
+        ),
     )
-    peak_flops: float = Field(..., gt=0, description="Dense BF16 peak per device (FLOP/s).")
-    migration_bandwidth_bytes_s: float = Field(
-        ..., gt=0, description="KV copy bandwidth between two engines (bytes/s)."
-    )
-    kv_memory_reserve: float = Field(
-        default=0.1, ge=0, lt=1, description="Share of HBM kept for activations, graphs, fragmentation."
-    )
-
-
-class CostSpec(_Strict):
-    """Costs of training, switching, syncing and migrating."""
-
-    train_mfu: float = Field(default=0.40, gt=0, le=1, description="Model FLOPs utilization of training.")
-    prefill_mfu: float = Field(
-        default=0.40, gt=0, le=1, description="Model FLOPs utilization of incremental prefill."
-    )
-    switch_rollout_to_train_s: float = Field(
-        default=10.0, ge=0, description="Whole-pool switch rollout -> train (s)."
-    )
-    switch_train_to_rollout_s: float = Field(
-        default=10.0, ge=0, description="Whole-pool switch train -> rollout incl. refit (s)."
-    )
-    elastic_role_change_s: float = Field(
-        default=15.0, ge=0, description="One engine unit changing role inside a running job (s)."
-    )
-    weight_sync_s: float = Field(
-        default=2.5, ge=0, description="Pushing a new version to rollout engines, engines stall (s)."
-    )
-    migration_overhead_s: float = Field(
-        default=0.15, ge=0, description="Control overhead of one live migration (s)."
-    )
-    planning_context_share: float = Field(
-        default=0.5,
-        gt=0,
-        le=1,
-        description="Slots per engine are sized for this share of the mean final context (time-averaged KV).",
+    train_unfinished_after_s: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "As trajectory.train_unfinished_after_s: seconds after the first execution of a group ended after which "
+            "its unfinished executions are scored from the tokens they have so far (they keep running; later tokens "
+            "are not trained). Unset = wait for every execution."
+        ),
     )
 
 
@@ -163,6 +143,9 @@ class Workload(_Strict):
     model: ModelSpec
     hardware: HardwareSpec
     costs: CostSpec = Field(default_factory=CostSpec)
+    service: ServiceSemantics = Field(
+        default_factory=ServiceSemantics, description="Trainer and scoring semantics of the live services."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Workload:
@@ -176,11 +159,21 @@ class Workload(_Strict):
             raise ValueError(
                 f"warmup_steps ({self.warmup_steps}) must be < num_steps - 1 ({self.num_steps - 1})"
             )
-        if self.model.weight_bytes >= self.hardware.hbm_bytes * self.devices_per_unit * (
-            1 - self.hardware.kv_memory_reserve
-        ):
+        cost = self.cost_model()
+        if cost.kv_budget_bytes() <= 0:
             raise ValueError("model weights do not fit on one engine unit; raise devices_per_unit")
+        longest = max(d.context_cap_tokens for d in self.domains)
+        if cost.kv_bytes(longest) > cost.kv_budget_bytes():
+            raise ValueError(
+                f"the KV cache of one {longest:.0f}-token execution ({cost.kv_bytes(longest) / 1e9:.0f} GB) does not fit "
+                f"on one engine unit ({cost.kv_budget_bytes() / 1e9:.0f} GB); raise devices_per_unit or lower "
+                "context_cap_tokens"
+            )
         return self
+
+    def cost_model(self) -> CostModel:
+        """The runtime cost model (gyre.costmodel) of this cluster."""
+        return CostModel(self.model, self.hardware, self.costs, self.devices_per_unit)
 
     @property
     def num_units(self) -> int:
@@ -198,36 +191,6 @@ def load_workload_file(path: str | Path) -> Workload:
         raise ValueError(f"workload file {path} must hold a mapping")
     return Workload.model_validate(data)
 
-
-# --- built-in models and hardware -------------------------------------------------------------------------
-
-# Qwen3-32B-like dense model [D]: 64 layers, 8 KV heads x 128 head dim x 2 (K,V) x 2 bytes = 256 KiB/token;
-# 64 query heads x 128 = 8192 attention dim (config recalled, see reference §3.3 — verify against the real config).
-MODEL_32B = ModelSpec(
-    params=32e9, weight_bytes=64e9, kv_bytes_per_token=262_144, num_layers=64, attention_dim=8192
-)
-# Llama-3-8B-like model [D]: 32 layers x 8 KV heads x 128 x 2 x 2 bytes = 128 KiB/token; 32 x 128 = 4096.
-MODEL_8B = ModelSpec(
-    params=8e9, weight_bytes=16e9, kv_bytes_per_token=131_072, num_layers=32, attention_dim=4096
-)
-
-# H200 SXM: 141 GB HBM3e, 4.8 TB/s [S: NVIDIA MLPerf system file, reference §5]; 989 TFLOP/s dense BF16
-# [G: spec memory, reference §5]; bandwidth efficiency 0.8 [G, reference §3.4 says 0.7-0.85]; engine-to-engine
-# KV copy over 4 x 400 Gb/s NICs = 200 GB/s [D from S: 10 x 400 Gb/s IB per node, reference §5].
-H200 = HardwareSpec(
-    hbm_bytes=141e9,
-    hbm_bandwidth_bytes_s=4.8e12,
-    bandwidth_efficiency=0.8,
-    peak_flops=989e12,
-    migration_bandwidth_bytes_s=200e9,
-    kv_memory_reserve=0.1,  # [G]
-)
-
-# Costs [reference §6.2]: train MFU 0.40 [S: Megatron-Core up to 47% on H100, lowered for 700K contexts, G];
-# colocate switches 10 s each way [S: vLLM sleep L1 1-6 s + trainer onload 1-15 s (NeMo-RL), midpoints];
-# elastic role change of one unit 15 s [S/G: reference gives 2-20 s]; weight sync 2.5 s [D: 64 GB / 50 GB/s
-# + ~1 s overhead; S: <1.3 s for 1T over RDMA]; migration overhead 0.15 s [D: 50-200 ms control].
-DEFAULT_COSTS = CostSpec()
 
 # Environment mixture [S-informed G, reference §6.1]: 80% file edits/greps LogNormal(0.4 s, 0.6) (Daytona
 # 0.26-0.6 s/action), 18% test/build runs Uniform(10, 60) s, 2% long experiments LogNormal(300 s, 1.0).

@@ -1,0 +1,44 @@
+"""The policy's inputs, built one way for the live scheduler and for the simulator.
+
+`pool_snapshot` turns the lease table (as `DeviceState`s) and the workers' `WorkerLoad` reports into
+the `PoolSnapshot` a policy plans on. The live plan loop (service.py `SchedulerService.snapshot`)
+and the simulator (sim/engine.py) both call it, with loads in the same proto message, so a policy
+sees in virtual time exactly the fields it sees live, and nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gyre.v1 import scheduler_pb2
+from services.scheduler.policies import DeviceState, PoolSnapshot
+
+
+def pool_snapshot(
+    devices: Sequence[DeviceState],
+    rollout: Sequence[scheduler_pb2.WorkerLoad],
+    trainer: Sequence[scheduler_pb2.WorkerLoad],
+    *,
+    default_engine_capacity: int,
+    staleness_bound: int,
+) -> PoolSnapshot:
+    """The snapshot of a pool: `devices` in lease order, one load per live rollout / trainer worker.
+
+    Sums over workers where a count is per worker; the engine capacity is the smallest one reported
+    (else `default_engine_capacity`); the latest version is the newest the trainer published and the
+    oldest live version the oldest any rollout still generates with."""
+    capacities = [x.engine_capacity for x in rollout if x.engine_capacity > 0]
+    return PoolSnapshot(
+        devices=tuple(devices),
+        live_executions=sum(x.live_executions for x in rollout),
+        queued_generations=sum(x.queued_generations for x in rollout),
+        running_generations=sum(x.running_generations for x in rollout),
+        waiting_on_environment=sum(x.waiting_on_environment for x in rollout),
+        engine_capacity=min(capacities) if capacities else default_engine_capacity,
+        trainer_backlog=sum(x.trainer_backlog_batches for x in trainer),
+        trainer_busy=any(x.trainer_backlog_batches > 0 for x in trainer),
+        trainer_step_s=max((x.trainer_step_s for x in trainer), default=0.0),
+        latest_version=max((x.weight_version for x in trainer), default=0),
+        oldest_live_version=min((x.weight_version for x in rollout), default=0),
+        staleness_bound=staleness_bound,
+    )

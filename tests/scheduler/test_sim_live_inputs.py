@@ -1,0 +1,71 @@
+"""The simulator gives the policy exactly what the live scheduler gives it.
+
+Every snapshot the simulator built during a run is rebuilt by the live `SchedulerService.snapshot()`
+from the same lease table (an in-memory LeaseBook, the store the lease tests use) and the same
+WorkerLoad reports; the two must be equal and the live policy object must decide the same moves.
+No NATS, Postgres or gRPC is needed: `snapshot()` reads only the book and the reported loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gyre.config import CommonConfig
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.leases import DeviceInfo, LeaseBook, MemoryLeaseStore
+from services.scheduler.policies import ElasticPolicy, Role
+from services.scheduler.service import SchedulerService
+from services.scheduler.sim import load_workload_file
+from services.scheduler.sim.compare import elastic_policy, simulate
+
+SMALL = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "small.yaml"
+OTHER = {Role.ROLLOUT: Role.TRAIN, Role.TRAIN: Role.ROLLOUT}
+
+
+def _live_service(devices, rollout_load, trainer_load, bound: int) -> SchedulerService:
+    svc = SchedulerService(CommonConfig(), SchedulerConfig(policy="elastic", staleness_bound=bound))
+    book = LeaseBook(MemoryLeaseStore(), drain_timeout_s=60, grant_timeout_s=60, worker_timeout_s=60)
+    # Each device registers with the worker of the role it serves; a moving one with the other role's
+    # worker, then the scheduler reassigns it (DRAINING toward its target, as the live handoff does).
+    for worker, role in (("rollout-0", Role.ROLLOUT), ("trainer-0", Role.TRAIN)):
+        mine = [
+            DeviceInfo(d.device_id)
+            for d in devices
+            if (d.role == role and not d.moving) or (d.moving and OTHER.get(d.role) == role)
+        ]
+        book.register_worker(worker, "rollout" if role == Role.ROLLOUT else "trainer", "", mine, 0.0)
+    for d in devices:
+        if d.moving:
+            holder = "rollout-0" if d.role == Role.ROLLOUT else "trainer-0"
+            book.reassign(d.device_id, d.role, holder, 1.0, policy="elastic", reason="test")
+    svc.book = book
+    svc.loads = {"rollout-0": rollout_load, "trainer-0": trainer_load}
+    return svc
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    w = load_workload_file(SMALL)
+    r = simulate(w, elastic_policy(w), record_snapshots=True)
+    assert len(r.snapshots) > 50
+    return w, r.snapshots
+
+
+def test_live_snapshot_of_the_same_pool_and_loads_equals_the_simulated_one(recorded) -> None:
+    w, snapshots = recorded
+    checked = 0
+    for sim_snap, (devices, rollout_load, trainer_load) in snapshots[:: max(1, len(snapshots) // 60)]:
+        if any(d.role == Role.IDLE for d in devices):
+            continue  # t = 0, before the first plan
+        live = _live_service(devices, rollout_load, trainer_load, w.staleness_bound).snapshot()
+        assert live is not None
+        assert sorted(live.devices, key=lambda d: d.device_id) == sorted(
+            sim_snap.devices, key=lambda d: d.device_id
+        )
+        assert live.__dict__ | {"devices": None} == sim_snap.__dict__ | {"devices": None}
+        policy = ElasticPolicy(staleness_bound=w.staleness_bound, role_change_s=w.costs.elastic_role_change_s)
+        assert policy.plan(live) == policy.plan(sim_snap)
+        checked += 1
+    assert checked > 20
