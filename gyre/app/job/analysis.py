@@ -423,8 +423,10 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
     device_time = {role: 0.0 for role in ROLES}
     for seg in segments:
         device_time[seg.role] += seg.end_s - seg.start_s
-    policies = Counter(
-        str(ev.get("policy")) for _, ev in leases if ev.get("policy") not in (None, "", "operator")
+    policies = Counter(  # REGISTERED is a worker joining the pool, not a policy decision
+        str(ev.get("policy"))
+        for _, ev in leases
+        if ev.get("policy") not in (None, "", "operator") and ev.get("kind") != "KIND_REGISTERED"
     )
     num_reassign = sum(1 for _, ev in leases if ev.get("kind") == "KIND_REASSIGN")
 

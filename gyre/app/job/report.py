@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from gyre.app.job import plots
 from gyre.app.job.analysis import LEARNED_RULE, Interval, RunAnalysis, analyse
 from gyre.app.job.eventlog import EVENT_LOG_NAME, read_events
@@ -274,12 +276,22 @@ def render_markdown(
     return "\n".join(lines)
 
 
+def configured_policy(run_dir: Path) -> str:
+    """The policy the run's scheduler was started with (<run_dir>/config.yaml), "" if unknown."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return ""
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return str((raw.get("scheduler") or {}).get("policy") or "")
+
+
 def build_report(run_dir: Path, *, extra: dict[str, Any] | None = None, seed: int = 0) -> Report:
     """Read `run_dir/events.jsonl`, write report.md, summary.json and plots/*.png; return them."""
     events_path = run_dir / EVENT_LOG_NAME
     if not events_path.is_file():
         raise FileNotFoundError(f"{events_path} does not exist: pass the run directory of a `gyre run`")
     analysis = analyse(read_events(events_path), seed=seed)
+    analysis.policy = configured_policy(run_dir) or analysis.policy
     incomplete = incomplete_reason(run_dir, extra)
     plot_paths = plots.write_all(analysis, run_dir / "plots")
     report_path = run_dir / REPORT_NAME
