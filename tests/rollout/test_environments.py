@@ -3,6 +3,7 @@ for the model at the outermost edge): it emits fixed tool calls, no LLM involved
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -138,5 +139,157 @@ async def test_workspace_command_is_killed_at_its_timeout_and_has_no_network() -
             probe = "import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)"
             res = await ws.run(["python3", "-c", probe])
             assert res.returncode != 0 and "unreachable" in res.output.lower()
+    finally:
+        ws.close()
+
+
+# -- the sandbox: what an agent's commands can and cannot reach --------------------------------------
+ROOT_ONLY = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="uid isolation needs root; unprivileged, commands run as the service's own user (docs/rollout.md)",
+)
+
+
+def no_process_with(marker: str) -> bool:
+    """True if no live process has `marker` in its command line (a sandbox's pids are namespaced)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return False
+        except OSError:
+            continue
+    return True
+
+
+async def test_workspace_commands_never_see_the_hidden_tests() -> None:
+    env = WorkspaceFamily.from_jsonl(TASKS).make("ws-textstats")
+    await env.reset()  # reset already scored once: the tests were on disk only during that scoring
+    assert env.ws is not None
+    try:
+        search = "grep -rl test_word_count_counts_words /tmp /var/tmp /dev/shm 2>/dev/null; echo searched"
+        res = await env.step(tool_action(("run", {"command": search}), ("read_file", {"path": "../"})))
+        assert res.messages[0]["content"].strip().splitlines()[-1] == "searched"
+        assert "test_word_count" not in res.messages[0]["content"]
+        assert res.messages[1]["content"].startswith("error:")
+        assert env.ws.list_files() == []  # the tests were never copied into the workspace
+    finally:
+        await env.close()
+
+
+@ROOT_ONLY
+async def test_workspace_commands_run_as_their_own_uid_and_cannot_read_root_only_files(
+    tmp_path: Path,
+) -> None:
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp())
+    os.chmod(shared, 0o755)
+    secret = shared / "secret.txt"
+    secret.write_text("root only")
+    os.chmod(secret, 0o600)
+    ws = Workspace()
+    try:
+        res = await ws.run_shell(f"id -u; cat {secret} /etc/shadow; echo exit=$?")
+        uid = int(res.output.split()[0])
+        assert uid != 0 and uid == ws.user.uid
+        assert "root only" not in res.output and "Permission denied" in res.output
+        assert (await ws.run_shell("ls /root")).returncode != 0
+        # /etc/passwd is world-readable on Linux, so it stays readable, as for any unprivileged user.
+    finally:
+        ws.close()
+        shutil.rmtree(shared)
+
+
+@ROOT_ONLY
+async def test_workspace_file_tools_do_not_read_a_hard_link_to_a_foreign_file(tmp_path: Path) -> None:
+    ws = Workspace()
+    secret = ws.root.parent / f"gyre-test-secret-{os.getpid()}"
+    secret.write_text("root only")
+    try:
+        os.link(secret, ws.root / "link.txt")  # as if the agent could hard-link it (protected_hardlinks off)
+        with pytest.raises(SandboxViolation, match="own"):
+            ws.read_file("link.txt")
+    finally:
+        secret.unlink()
+        ws.close()
+
+
+async def test_shadowing_pytest_or_planting_a_conftest_scores_zero() -> None:
+    env = WorkspaceFamily.from_jsonl(TASKS).make("ws-textstats")
+    await env.reset()
+    fake_pytest = (
+        "import sys\n"
+        "for a in sys.argv:\n"
+        "    if a.endswith('.xml'):\n"
+        "        open(a.split('=')[-1], 'w').write('<testsuite>' + '<testcase name=\"t\"/>' * 9 + '</testsuite>')\n"
+        "sys.exit(0)\n"
+    )
+    conftest = (
+        "import pytest\n\n"
+        "@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n"
+        "    outcome = yield\n"
+        "    outcome.get_result().outcome = 'passed'\n"
+    )
+    try:
+        res = await env.step(
+            tool_action(
+                ("write_file", {"path": "pytest.py", "content": fake_pytest}),
+                ("write_file", {"path": "conftest.py", "content": conftest}),
+                ("write_file", {"path": "pytest.ini", "content": "[pytest]\naddopts = -p conftest\n"}),
+                ("write_file", {"path": "sitecustomize.py", "content": fake_pytest}),
+                ("submit", {}),
+            )
+        )
+        assert res.done and res.reward == 0.0
+    finally:
+        await env.close()
+
+
+async def test_processes_that_escape_their_command_are_gone_after_it_and_after_close() -> None:
+    ws = Workspace()
+    daemon = (
+        "import os\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.execvp('sleep', ['sleep', '987.656'])\n"
+    )
+    try:
+        ws.write_file("daemon.py", daemon)
+        res = await ws.run_shell(
+            "setsid sleep 987.654 & nohup sleep 987.655 >/dev/null 2>&1 & python3 daemon.py; echo started"
+        )
+        assert "started" in res.output and not res.timed_out
+        assert no_process_with("987.65")
+        res = await ws.run_shell("(setsid sleep 987.657 &) ; sleep 30")  # killed at the timeout instead
+        assert no_process_with("987.657")
+    finally:
+        ws.close()
+    assert no_process_with("987.65")
+
+
+@ROOT_ONLY
+async def test_a_fork_loop_is_stopped_by_the_process_limit() -> None:
+    from services.rollout.environments.sandbox import SandboxLimits
+
+    ws = Workspace(SandboxLimits(max_processes=16, timeout_s=10))
+    forks = (
+        "import os, time\n"
+        "n = 0\n"
+        "for _ in range(200):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(5)\n"
+        "            os._exit(0)\n"
+        "        n += 1\n"
+        "    except OSError:\n"
+        "        break\n"
+        "print('forked', n)\n"
+    )
+    try:
+        ws.write_file("forks.py", forks)
+        res = await ws.run(["python3", "forks.py"])
+        assert "forked" in res.output and int(res.output.split()[-1]) < 16
     finally:
         ws.close()

@@ -7,18 +7,30 @@ acts through tool calls (the tokenizer's `<tool_call>` JSON, or OpenAI `tool_cal
 - `run(command)` — a shell command under the sandbox's limits (see sandbox.py);
 - `submit()` — ends the episode (`done`; reward = fraction of hidden tests passing).
 
-The hidden tests live in a separate temp directory that the file tools cannot reach. After any
-action that may change files the tests are re-run (skipped if the workspace content is unchanged),
-so `progress.tests_passed_fraction` is the fraction passing *now*, at any time. Running out of
-turns truncates the episode with that partial score.
+Scoring (`score`): the hidden tests exist only in memory until the moment of scoring. Then a fresh
+directory the agent never saw gets a copy of the workspace's own regular files (`code/`, no
+symlinks) and the tests (`tests/`, with Gyre's own `pytest.ini`), and the scorer runs as another
+sandbox user (a uid of its own when the service is root, so it cannot write the workspace) with an
+isolated interpreter: `python -I -B`, pytest imported from the environment's own install before
+`code/` is APPENDED to `sys.path` - a `pytest.py`, `conftest.py` or ini file in the workspace
+shadows nothing and is never loaded. Every scorer process is killed and the directory removed
+after. The code under test still runs inside the scorer's pytest process, so code written to
+tamper with pytest at import time is not prevented (docs/rollout.md).
+
+After any action that may change files the tests are re-run (skipped if the workspace content is
+unchanged), so `progress.tests_passed_fraction` is the fraction passing *now*, at any time.
+Running out of turns truncates the episode with that partial score.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
@@ -30,9 +42,23 @@ from gyre.errors import InvalidArgument
 from gyre.tokenizer import ToolCall
 
 from .base import Action, Environment, Progress, StepResult, TaskFamily
-from .sandbox import SandboxLimits, Workspace
+from .sandbox import SandboxLimits, SandboxUser, Workspace, sandbox_path
 
 _TEST_DEF = re.compile(r"^\s*(?:async\s+)?def\s+test_\w*\s*\(", re.MULTILINE)
+
+# The scorer's program (run with `python -I -B`): pytest from this interpreter's own install, the
+# agent's code appended to the import path (after stdlib and site-packages), only Gyre's ini file.
+_SCORER = """
+import sys
+code, tests, report = sys.argv[1:4]
+import pytest
+sys.path.append(code)
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--import-mode=append", "--rootdir", tests,
+                      "--confcutdir", tests, "--junitxml", report, tests]))
+"""
+_MAX_REPORT_BYTES = 16 << 20
+
+log = logging.getLogger(__name__)
 
 TOOLS_SCHEMA: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "write_file", "description": "Write a text file in the workspace.",
@@ -94,6 +120,34 @@ def load_tasks(path: str | Path) -> list[WorkspaceTask]:
     return tasks
 
 
+def _read_only_for_others(base: Path) -> None:
+    """Scoring tree: root-owned, readable (not writable) by the scorer; `base` itself not listable."""
+    for dirpath, _, filenames in os.walk(base):
+        os.chmod(dirpath, 0o755)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o644)
+    os.chmod(base, 0o711)
+
+
+def _passed_tests(report: Path) -> int:
+    """Test cases without failure, error or skip in a junit XML written by the scorer (0 if none)."""
+    try:
+        st = os.lstat(report)
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_REPORT_BYTES:
+        return 0
+    try:
+        root = ET.parse(report).getroot()
+    except ET.ParseError:
+        return 0
+    return sum(
+        1
+        for case in root.iter("testcase")
+        if not any(child.tag in {"failure", "error", "skipped"} for child in case)
+    )
+
+
 class WorkspaceEnv(Environment):
     name = "workspace"
 
@@ -101,7 +155,6 @@ class WorkspaceEnv(Environment):
         self.task, self.task_id = task, task.task_id
         self.limits = limits or SandboxLimits()
         self.ws: Workspace | None = None
-        self.hidden: Path | None = None
         self.turns = 0
         self._fraction = 0.0
         self._scored_digest = ""
@@ -109,11 +162,8 @@ class WorkspaceEnv(Environment):
     async def reset(self) -> list[dict[str, Any]]:
         await self.close()
         self.ws = Workspace(self.limits)
-        self.hidden = Path(tempfile.mkdtemp(prefix="gyre-hidden-"))
         for rel, text in self.task.files.items():
             self.ws.write_file(rel, text)
-        for rel, text in self.task.tests.items():
-            (self.hidden / Path(rel).name).write_text(text)
         self.turns, self._fraction, self._scored_digest = 0, 0.0, ""
         await self.score()
         tools = ", ".join(t["function"]["name"] for t in TOOLS_SCHEMA)
@@ -139,25 +189,36 @@ class WorkspaceEnv(Environment):
 
     async def score(self) -> float:
         """Run the hidden tests against the workspace; the fraction passing (cached by content)."""
-        if self.ws is None or self.hidden is None:
+        if self.ws is None:
             raise InvalidArgument("workspace environment used before reset()")
         digest = self._digest()
         if digest == self._scored_digest:
             return self._fraction
-        report = self.hidden / "report.xml"
-        report.unlink(missing_ok=True)
-        await self.ws.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-             f"--rootdir={self.hidden}", str(self.hidden)],
-            timeout_s=self.limits.timeout_s * 3,
-            extra_env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},  # the scorer needs no plugins; starts faster
-        )  # fmt: skip
-        passed = 0
-        if report.exists():
-            root = ET.parse(report).getroot()
-            for case in root.iter("testcase"):
-                if not any(child.tag in {"failure", "error", "skipped"} for child in case):
-                    passed += 1
+        scorer = SandboxUser()
+        base = Path(tempfile.mkdtemp(prefix="gyre-score-"))
+        try:
+            code, tests, out = base / "code", base / "tests", base / "out"
+            for d in (code, tests, out):
+                d.mkdir()
+            self.ws.copy_files_to(code)
+            for rel, text in self.task.tests.items():
+                (tests / Path(rel).name).write_text(text)
+            (tests / "pytest.ini").write_text("[pytest]\n")
+            _read_only_for_others(base)
+            scorer.chown(out)
+            report = out / "report.xml"
+            await scorer.run(
+                [sys.executable, "-I", "-B", "-c", _SCORER, str(code), str(tests), str(report)],
+                cwd=out,
+                env={"PATH": sandbox_path(), "HOME": str(out), "TMPDIR": str(out),
+                     "LANG": "C.UTF-8", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+                limits=self.limits,
+                timeout_s=self.limits.timeout_s * 3,
+            )  # fmt: skip
+            passed = _passed_tests(report)
+        finally:
+            scorer.close()
+            shutil.rmtree(base, ignore_errors=True)
         self._fraction = min(1.0, passed / self.task.num_tests)
         self._scored_digest = digest
         return self._fraction
@@ -210,9 +271,6 @@ class WorkspaceEnv(Environment):
         if self.ws is not None:
             self.ws.close()
             self.ws = None
-        if self.hidden is not None:
-            shutil.rmtree(self.hidden, ignore_errors=True)
-            self.hidden = None
 
 
 class WorkspaceFamily(TaskFamily):
@@ -226,6 +284,14 @@ class WorkspaceFamily(TaskFamily):
 
     @classmethod
     def from_jsonl(cls, path: str | Path, limits: SandboxLimits | None = None) -> WorkspaceFamily:
+        """Tasks from JSONL. The file holds the hidden tests: a sandboxed command can read it if it is
+        readable by others (it runs as an unprivileged user), so that is logged as a warning."""
+        if os.stat(path).st_mode & stat.S_IROTH:
+            log.warning(
+                "workspace tasks %s are readable by other users: sandboxed commands can read the hidden "
+                "tests in it; chmod 600 it (or keep it in a 0700 directory) for training",
+                path,
+            )
         return cls(load_tasks(path), limits)
 
     def task_ids(self, num_tasks: int) -> list[str]:
