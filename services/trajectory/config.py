@@ -78,6 +78,30 @@ class TrajectoryConfig(ConfigModel):
         pattern=r"^[A-Za-z0-9_-]+$",
         description="Prefix of the durable JetStream consumer names.",
     )
+    vocab_size: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Token ids of a step must lie in [0, vocab_size); others are dead-lettered. Unset: not checked "
+            "(`gyre up` sets it from the run's trainer.model.vocab_size)."
+        ),
+    )
+    max_version_lead: int = Field(
+        2,
+        ge=0,
+        description=(
+            "Versions: a step whose newest token version is ahead of the newest WeightsPublishedEvent seen by at "
+            "most this is retried later (its weights event is on its way); further ahead, it is dead-lettered."
+        ),
+    )
+    trainer_workers: list[str] = Field(
+        default_factory=lambda: ["trainer-0"],
+        min_length=1,
+        description=(
+            "Worker IDs (the trainer's worker_id) allowed to PullBatch and AckBatch; any other consumer gets "
+            "PERMISSION_DENIED, and a batch is resumed or acked only by the consumer it was handed to."
+        ),
+    )
     ready_poll_s: float = Field(
         0.5, gt=0.0, description="Seconds between checks for ready groups and batches to build."
     )

@@ -6,7 +6,11 @@ Boundaries (errors handled once, here):
   stored in ``traj_rejections`` with the reason and acked (redelivering them cannot help); a
   failing commit raises, so the bus naks and redelivers the batch.
 - gRPC: every method goes through ``gyre.rpc.error_boundary`` (InvalidArgument -> INVALID_ARGUMENT,
-  NotFound -> NOT_FOUND, ...).
+  NotFound -> NOT_FOUND, PermissionDenied -> PERMISSION_DENIED, ...).
+- Trust: every step passes ``StepGate`` (services/trajectory/validation.py) before ingest — invalid
+  ones go to the dead-letter stream and are never stored; only the registered trainer pulls and
+  acks batches; a PullBatch version is clamped to the published weights (a durable consumer of
+  ``gyre.weights.<run>`` tracks the newest).
 - The poll loop dies loudly (``rt.spawn``): the service then stops with exit code 1.
 """
 
@@ -27,13 +31,15 @@ from gyre.service import Runtime, Service
 from gyre.v1 import events_pb2, trajectory_pb2, trajectory_pb2_grpc
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.core import TrajectoryCore
+from services.trajectory.validation import StepGate
 
 log = logging.getLogger("gyre.trajectory")
 
 
 class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
-    def __init__(self, core: TrajectoryCore) -> None:
+    def __init__(self, core: TrajectoryCore, gate: StepGate | None = None) -> None:
         self.core = core
+        self.gate = gate if gate is not None else StepGate(core.run_id, core.cfg)
 
     @rpc.error_boundary
     async def IngestSteps(  # noqa: N802 (gRPC method name)
@@ -43,6 +49,12 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
         pending: list[events_pb2.StepEvent] = []
 
         async def flush() -> None:
+            gated = await self.gate.split(pending)
+            total.num_received += len(gated.refused) + len(gated.early)
+            total.num_rejected += len(gated.refused)
+            total.num_waiting += len(gated.early)  # resend them once their weights version is published
+            total.errors.extend(p.reason for _, p in gated.refused[: max(0, 100 - len(total.errors))])
+            pending[:] = gated.valid
             s = await self.core.ingest_steps(pending)
             total.num_received += s.num_received
             total.num_stored += s.num_stored
@@ -64,13 +76,25 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
     async def PullBatch(  # noqa: N802
         self, request: trajectory_pb2.PullBatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[trajectory_pb2.BatchChunk]:
-        for chunk in await self.core.pull(request):
+        self.gate.check_consumer(request.consumer)
+        if request.resume_batch_id:
+            b = await asyncio.to_thread(self.core.store.get_batch, request.resume_batch_id)
+            if b is not None:
+                self.gate.check_owner(request.consumer, b.consumer, request.resume_batch_id)
+        checked = trajectory_pb2.PullBatchRequest()
+        checked.CopyFrom(request)
+        checked.current_version = self.gate.clamp_version(request.current_version)
+        for chunk in await self.core.pull(checked):
             yield chunk
 
     @rpc.error_boundary
     async def AckBatch(  # noqa: N802
         self, request: trajectory_pb2.AckBatchRequest, context: grpc.aio.ServicerContext
     ) -> trajectory_pb2.AckBatchResponse:
+        self.gate.check_consumer(request.consumer)
+        b = await asyncio.to_thread(self.core.store.get_batch, request.batch_id)
+        if b is not None:
+            self.gate.check_owner(request.consumer, b.consumer, request.batch_id)
         await self.core.ack(request)
         return trajectory_pb2.AckBatchResponse()
 
@@ -84,7 +108,10 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
     async def GetStats(  # noqa: N802
         self, request: trajectory_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> trajectory_pb2.GetStatsResponse:
-        return trajectory_pb2.GetStatsResponse(values=await self.core.stats())
+        values = await self.core.stats()
+        values.update({k: float(v) for k, v in self.gate.counters.items()})
+        values["latest_weights_version"] = float(self.gate.latest_version)
+        return trajectory_pb2.GetStatsResponse(values=values)
 
 
 class TrajectoryService(Service):
@@ -94,6 +121,7 @@ class TrajectoryService(Service):
         self.common = common
         self.cfg = cfg
         self.core: TrajectoryCore | None = None
+        self.gate: StepGate | None = None
         self.consumers: list[Consumer[Any]] = []
         self.bus: Bus | None = None
         self._stopping = asyncio.Event()
@@ -108,9 +136,23 @@ class TrajectoryService(Service):
             await rt.bus.publish(subjects.paths_batch(run_id), ev, msg_id=ev.event_id)
 
         core.announce = announce
-        trajectory_pb2_grpc.add_TrajectoryServicer_to_server(TrajectoryServicer(core), rt.server)
+
+        async def dead_letter(subject: str, payload: bytes, type_name: str, code: str, reason: str) -> None:
+            await rt.bus.dead_letter(subject, payload, type_name, code, reason, service=self.name)
+
+        gate = self.gate = StepGate(run_id, self.cfg, dead_letter)
+        trajectory_pb2_grpc.add_TrajectoryServicer_to_server(TrajectoryServicer(core, gate), rt.server)
         run = self.common.run_id
         durable = self.cfg.durable_name
+        # Newest published weights version: bounds step versions and PullBatch's current_version.
+        self.consumers.append(
+            await rt.bus.consume(
+                subjects.weights(run),
+                events_pb2.WeightsPublishedEvent,
+                self._on_weights,
+                durable=f"{durable}-{run}-weights",
+            )
+        )
         self.consumers.append(
             await rt.bus.consume(
                 subjects.executions(run, "*"),
@@ -131,9 +173,18 @@ class TrajectoryService(Service):
         )
         rt.spawn(self._poll_loop(), name="trajectory-poll")
 
+    async def _on_weights(self, msgs: list[events_pb2.WeightsPublishedEvent]) -> None:
+        assert self.gate is not None
+        for ev in msgs:
+            self.gate.note_weights(ev.weights.version)
+
     async def _on_steps(self, msgs: list[events_pb2.StepEvent]) -> None:
-        assert self.core is not None
-        summary = await self.core.ingest_steps(msgs)
+        assert self.core is not None and self.gate is not None
+        gated = await self.gate.split(msgs)  # refused steps are dead-lettered (and acked) here
+        summary = await self.core.ingest_steps(gated.valid)
+        if gated.early:
+            # Not acked: redelivered after a delay, when the newer weights event has been seen.
+            raise Unavailable(f"{len(gated.early)} steps carry a weights version not seen yet; retrying")
         for err in summary.errors[:5]:
             log.warning("rejected step: %s", err)
         if summary.num_waiting:

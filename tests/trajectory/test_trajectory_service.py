@@ -18,7 +18,7 @@ from gyre import rpc, store
 from gyre.bus import Bus, subjects
 from gyre.config import CommonConfig
 from gyre.service import Runtime
-from gyre.v1 import trajectory_pb2, trajectory_pb2_grpc
+from gyre.v1 import common_pb2, events_pb2, trajectory_pb2, trajectory_pb2_grpc
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.service import TrajectoryService
 from services.trajectory.workload import WorkloadConfig, end_event, generate, step_event
@@ -322,6 +322,11 @@ async def test_groups_older_than_the_staleness_bound_are_dropped_not_trained(nat
     try:
         await publish_group(run, run_id, execs)
         await wait_for(lambda: _has(run, "groups_scored"))
+        # The trainer is at version 10 once it published it (a version never published is clamped).
+        weights = common_pb2.WeightVersion(version=10, uri="file:///w/v10")
+        event = events_pb2.WeightsPublishedEvent(event_id=f"weights.{run_id}.10", run_id=run_id, weights=weights)
+        await run.bus.publish(subjects.weights(run_id), event, msg_id=event.event_id)
+        await wait_for(lambda: _has(run, "latest_weights_version"))
         assert await pull(run, wait_s=0.2, current_version=10) == []  # tokens are version 0
         assert await stat(run, "groups_dropped_stale") == 1
         assert await pull(run, wait_s=0.2) == []  # dropped for good
