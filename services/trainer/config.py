@@ -50,6 +50,14 @@ class TrainerConfig(ConfigModel):
             "token-mean weighted): keeps sampling diverse so groups keep reward variance; 0 = none."
         ),
     )
+    entropy_target: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Entropy floor (nats): the bonus counts min(entropy, entropy_target) per token, so it "
+            "lifts only tokens whose entropy fell below it and never pushes a policy above it; None = no cap."
+        ),
+    )
     kl_coef: float = Field(
         default=0.0, ge=0, description="Weight of the KL to the initial (reference) model; 0 = none."
     )

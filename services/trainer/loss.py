@@ -1,16 +1,33 @@
-"""The policy-gradient loss over a tree-packed batch.
+"""The policy-gradient loss over a tree-packed batch, and the numbers that show how learning goes.
 
 Per token t of a path p with importance ratio r_t = exp(logp_t - behaviour_logp_t) and path
-weight w_p = advantage_p * norm_p, the PPO-clipped objective is
-    -min(r_t * A_p, clip(r_t, 1 - eps, 1 + eps) * A_p) * norm_p
+weight w_p = advantage_p * norm_p, the PPO-clipped objective with asymmetric ("clip-higher") bounds is
+    -min(r_t * A_p, clip(r_t, 1 - eps_low, 1 + eps_high) * A_p) * norm_p
   = w_p * l+(r_t)  if w_p >= 0, with l+(r) = -min(r, clip(r))
   = w_p * l-(r_t)  if w_p <  0, with l-(r) = -max(r, clip(r)).
 r_t depends only on t's ancestors, so it is the same on every path through t, and summing over
-paths gives  sum_t weight_pos_t * l+(r_t) + weight_neg_t * l-(r_t)  (+ kl_coef * kl_weight_t * kl_t):
+paths gives  sum_t weight_pos_t * l+(r_t) + weight_neg_t * l-(r_t)
+             + kl_coef * kl_weight_t * kl_t - entropy_coef * kl_weight_t * H_t:
 exactly the loss — and gradient — of training each path as its own sample (tested in float64).
 The importance ratio corrects tokens sampled by older weights (staleness).
-KL to a reference model uses the k3 estimator exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased).
-The loss is a sum over tokens (the trajectory service's weights carry the normalisation).
+
+The algorithm (why these terms; docs/trainer.md, "The RL algorithm"):
+- GRPO group advantages (services/trajectory/scoring.py) with a token-mean normalisation (the
+  trajectory service's weights): every generated token of every execution counts once.
+- Clip-higher (DAPO, Yu et al. 2025): `clip_eps_high` > `clip_eps` lets a token whose probability
+  is low rise further within one step, while the lower bound still stops a collapse of probable
+  tokens; with staleness (ratios != 1) this keeps rare good actions learnable.
+- Entropy bonus: `entropy_coef` * H(pi(.|ancestors)) at every trained token (the full-vocabulary
+  entropy, nats, token-mean weighted like the KL). Without it a peaked policy becomes
+  deterministic on some wrong actions, every execution of a group then behaves alike, the group's
+  reward variance and so every advantage is zero, and nothing can move the policy again (a stall).
+- KL to a reference model (optional, `kl_coef`) uses the k3 estimator exp(ref - logp) - (ref - logp) - 1.
+
+Metrics (token means over trained tokens, unweighted): `entropy` (nats), `kl_behaviour` (k3
+estimate of KL(behaviour || policy), the drift since the tokens were sampled: (r - 1) - log r),
+`clip_fraction` (ratios outside [1 - eps_low, 1 + eps_high]), `ratio_mean`, `kl_mean` (to the
+reference, when kl_coef > 0). The loss is a sum over tokens (the trajectory service's weights
+carry the normalisation).
 """
 
 from __future__ import annotations
@@ -21,14 +38,34 @@ from typing import Any
 import torch
 
 from gyre.model.attention import TreeLayout
-from gyre.model.forward import hidden_states, logprobs_of, predecessor_index
+from gyre.model.forward import hidden_states, logits_from_hidden, predecessor_index
 from services.trainer.batch import PackedBatch
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    clip_eps: float = 0.2
+    """The loss terms' coefficients (see the module docstring; fields of TrainerConfig)."""
+
+    clip_eps: float = 0.2  # lower ratio bound 1 - clip_eps
+    clip_eps_high: float | None = None  # upper bound 1 + clip_eps_high; None = clip_eps (symmetric)
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    entropy_target: float | None = None  # nats; the bonus counts min(H_t, target); None = H_t
+
+    @property
+    def eps_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> LossSettings:
+        """The settings a TrainerConfig names (clip_eps, clip_eps_high, kl_coef, entropy_coef)."""
+        return cls(
+            clip_eps=cfg.clip_eps,
+            clip_eps_high=cfg.clip_eps_high,
+            kl_coef=cfg.kl_coef,
+            entropy_coef=cfg.entropy_coef,
+            entropy_target=cfg.entropy_target,
+        )
 
 
 def clipped_token_losses(
@@ -38,10 +75,14 @@ def clipped_token_losses(
     weight_neg: torch.Tensor,
     loss_mask: torch.Tensor,
     clip_eps: float,
+    clip_eps_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token weighted clipped losses [T] (0 where loss_mask is 0) and the ratios [T]."""
+    """Per-token weighted clipped losses [T] (0 where loss_mask is 0) and the ratios [T].
+
+    Ratios are clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high None = clip_eps)."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(torch.where(loss_mask, logprobs - behaviour_logprobs, torch.zeros_like(logprobs)))
-    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high)
     loss_pos = -torch.minimum(ratio, clipped)
     loss_neg = -torch.maximum(ratio, clipped)
     per_token = weight_pos * loss_pos + weight_neg * loss_neg
@@ -54,11 +95,26 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
-def batch_logprobs(model: Any, batch: PackedBatch) -> torch.Tensor:
-    """log p(token_t | ancestors) [T] for a packed batch under `model`."""
+def batch_logprobs_and_entropy(model: Any, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token_t | ancestors) [T] and the entropy (nats) of p(. | ancestors) [T] under `model`
+    (both 0 at a tree's first token, which has no predecessor)."""
     layout = TreeLayout(batch.num_tokens, batch.node_offsets, batch.node_lengths, batch.node_parents)
     hidden = hidden_states(model, batch.token_ids[None], batch.position_ids[None], layout)[0]
-    return logprobs_of(model, hidden, batch.token_ids, predecessor_index(layout).to(batch.token_ids.device))
+    pred = predecessor_index(layout).to(batch.token_ids.device)
+    has = pred >= 0
+    logits = logits_from_hidden(model, hidden[pred.clamp(min=0)])
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    lp = torch.log_softmax(logits, dim=-1)
+    picked = lp.gather(-1, batch.token_ids[:, None].long())[:, 0]
+    entropy = -(lp.exp() * lp).sum(-1)
+    zero = torch.zeros_like(picked)
+    return torch.where(has, picked, zero), torch.where(has, entropy, zero)
+
+
+def batch_logprobs(model: Any, batch: PackedBatch) -> torch.Tensor:
+    """log p(token_t | ancestors) [T] for a packed batch under `model`."""
+    return batch_logprobs_and_entropy(model, batch)[0]
 
 
 def tree_loss(
@@ -68,7 +124,7 @@ def tree_loss(
     if batch.num_tokens == 0:
         zero = sum(p.sum() * 0.0 for p in model.parameters())
         return zero, {"loss": 0.0, "num_tokens": 0.0, "num_trained_tokens": 0.0}
-    logprobs = batch_logprobs(model, batch)
+    logprobs, entropy = batch_logprobs_and_entropy(model, batch)
     per_token, ratio = clipped_token_losses(
         logprobs,
         batch.behaviour_logprobs,
@@ -76,6 +132,7 @@ def tree_loss(
         batch.weight_neg,
         batch.loss_mask,
         settings.clip_eps,
+        settings.eps_high,
     )
     loss = per_token.sum()
     mask = batch.loss_mask
@@ -90,10 +147,19 @@ def tree_loss(
         kl = torch.where(mask, k3_kl(logprobs, ref), torch.zeros_like(logprobs))
         loss = loss + settings.kl_coef * (batch.kl_weight * kl).sum()
         metrics["kl_mean"] = float(kl.sum()) / max(n_train, 1)
+    if settings.entropy_coef:
+        bonus = entropy if settings.entropy_target is None else entropy.clamp(max=settings.entropy_target)
+        trained_entropy = torch.where(mask, bonus, torch.zeros_like(entropy))
+        loss = loss - settings.entropy_coef * (batch.kl_weight * trained_entropy).sum()
     with torch.no_grad():
         if n_train:
             r = ratio[mask]
+            log_r = (logprobs - batch.behaviour_logprobs)[mask]
             metrics["ratio_mean"] = float(r.mean())
-            metrics["clip_fraction"] = float(((r - 1.0).abs() > settings.clip_eps).double().mean())
+            metrics["clip_fraction"] = float(
+                ((r < 1.0 - settings.clip_eps) | (r > 1.0 + settings.eps_high)).double().mean()
+            )
+            metrics["kl_behaviour"] = float(((r - 1.0) - log_r).mean())
+            metrics["entropy"] = float(entropy[mask].mean())
     metrics["loss"] = float(loss.detach())
     return loss, metrics
