@@ -173,7 +173,7 @@ def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     for key in ("loss", "num_tokens", "num_trained_tokens"):
         out[key] = sum(p.get(key, 0.0) for p in parts)
     total = out["num_trained_tokens"]
-    for key in ("ratio_mean", "clip_fraction", "kl_mean"):
+    for key in ("ratio_mean", "clip_fraction", "kl_mean", "kl_behaviour", "entropy"):
         have = [p for p in parts if key in p]
         if have and total:
             out[key] = sum(p[key] * p["num_trained_tokens"] for p in have) / total
