@@ -161,7 +161,7 @@ class RolloutService(Service):
     async def start(self, rt: Runtime) -> None:
         cfg, run_id = self.cfg, self.common.run_id
         self.rt = rt
-        self.sink = BusStepSink(rt.bus, max_buffer=cfg.step_buffer)
+        self.sink = BusStepSink(rt.bus, max_buffer=cfg.step_buffer, vocab_size=cfg.model.vocab_size)
         rt.spawn(self.sink.run(), "step-publisher")
         agent_cfg = AgentConfig(
             temperature=cfg.temperature,

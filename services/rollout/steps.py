@@ -11,6 +11,10 @@ publishes on NATS JetStream (subjects from gyre.bus.subjects):
   event's `msg_id` is its `event_id`, so the stream stores a re-sent event once (dedup window).
   The one exception is an event larger than the server's max_payload, which no retry can store:
   it is logged as an error and counted in `num_oversized`.
+- validated where produced: a step that fails gyre.validation (token ids outside `vocab_size`,
+  non-finite or positive log-probs, lengths that differ, missing ids...) is not published on the
+  step stream; it goes to the dead-letter stream with its reason (``Bus.dead_letter``: a counter per
+  reason, rate-limited logging) and is counted in `num_invalid`. The consumer checks again.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from typing import Protocol
 from google.protobuf.message import Message
 
 from gyre.bus import Bus, subjects
-from gyre.errors import GyreError, PayloadTooLarge
+from gyre.errors import GyreError, InvalidArgument, PayloadTooLarge
 from gyre.v1 import events_pb2
+from gyre.validation import Problem, step_problem
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +55,16 @@ class MemoryStepSink:
 
 class BusStepSink:
     def __init__(
-        self, bus: Bus, *, max_buffer: int = 10_000, batch_size: int = 256, retry_backoff_s: float = 1.0
+        self,
+        bus: Bus,
+        *,
+        max_buffer: int = 10_000,
+        batch_size: int = 256,
+        retry_backoff_s: float = 1.0,
+        vocab_size: int | None = None,
     ) -> None:
         self.bus = bus
+        self.vocab_size = vocab_size
         self.batch_size = batch_size
         self.retry_backoff_s = retry_backoff_s
         self._queue: asyncio.Queue[tuple[str, Message, str]] = asyncio.Queue(maxsize=max_buffer)
@@ -61,6 +73,7 @@ class BusStepSink:
         self.num_published = 0
         self.num_retried_batches = 0
         self.num_oversized = 0
+        self.num_invalid = 0
 
     def start(self) -> asyncio.Task[None]:
         """Run the publishing loop as a task of this object (tests, bench); services spawn `run()`."""
@@ -68,7 +81,25 @@ class BusStepSink:
         return self._task
 
     async def publish_step(self, event: events_pb2.StepEvent) -> None:
-        await self._queue.put((subjects.steps(event.run_id, event.task_id), event, event.event_id))
+        """Queue `event` for the step stream, or dead-letter it if it is invalid (never raises for that)."""
+        problem = step_problem(event, vocab_size=self.vocab_size)
+        try:
+            subject = subjects.steps(event.run_id, event.task_id)
+        except InvalidArgument as exc:  # ids that cannot be subject tokens
+            problem = problem or Problem("bad_subject_token", str(exc))
+            subject = subjects.steps("unknown", "unknown")
+        if problem is not None:
+            self.num_invalid += 1
+            await self.bus.dead_letter(
+                subject,
+                event.SerializeToString(),
+                "gyre.v1.StepEvent",
+                problem.code,
+                problem.reason,
+                service="rollout",
+            )
+            return
+        await self._queue.put((subject, event, event.event_id))
 
     async def publish_execution(self, event: events_pb2.ExecutionEvent) -> None:
         await self._queue.put((subjects.executions(event.run_id, event.task_id), event, event.event_id))
