@@ -128,6 +128,8 @@ class TrainerService(Service):
             self.cfg.worker_id,
             self.cfg.batch_max_tokens,
             self.cfg.pull_wait_s,
+            vocab_size=self.cfg.model.vocab_size,  # a batch the model cannot embed is quarantined
+            quarantine_path=self.common.run_dir / "trainer" / "quarantine.jsonl",
         )
 
         async def sink(weights: common_pb2.WeightVersion, metrics: dict[str, float]) -> None:
