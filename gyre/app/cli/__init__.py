@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gyre.app.job.run",
         "run a training job from a YAML config (the quickstart: examples/quickstart.yaml)",
     ),
+    "chaos": (
+        "gyre.app.chaos",
+        "run a job while killing each service, NATS and Postgres in turn; print recovery and loss counters",
+    ),
     "compare": (
         "gyre.app.job.compare",
         "compare run directories side by side, with the simulator's prediction",

@@ -33,6 +33,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,8 +239,19 @@ async def stop_producers_and_wait_for_ingest(
         await asyncio.sleep(1.0)
 
 
-async def drive(deployment: Any, common: Any, job: JobConfig, run_dir: Path, *, started: float) -> JobOutcome:
-    """Record events, keep executions live and wait for the last step (see the module docstring)."""
+async def drive(
+    deployment: Any,
+    common: Any,
+    job: JobConfig,
+    run_dir: Path,
+    *,
+    started: float,
+    sidecar: Callable[[Any], Coroutine[Any, Any, None]] | None = None,
+) -> JobOutcome:
+    """Record events, keep executions live and wait for the last step (see the module docstring).
+
+    `sidecar(tracker)` (e.g. `gyre chaos`'s fault injector) runs beside the job from the start; the
+    job counts as done only once it has returned too (an exception of it ends the job)."""
     from gyre.app.job.collector import EventCollector
     from gyre.app.job.progress import LiveProgress, RunTracker
     from gyre.bus import Bus
@@ -257,13 +269,18 @@ async def drive(deployment: Any, common: Any, job: JobConfig, run_dir: Path, *, 
         with LiveProgress(tracker) as live:
             tasks.append(asyncio.create_task(live.run(), name="progress"))
             rollout = endpoints.services.get("rollout")
+            side: asyncio.Task[None] | None = None
+            if sidecar is not None:
+                side = asyncio.create_task(sidecar(tracker), name="sidecar")
+            if side is not None:
+                tasks.append(side)
             if rollout is not None and job.live_groups > 0:
                 tasks.append(
                     asyncio.create_task(_keep_executions_live(rollout.grpc_address, job), name="driver")
                 )
             deadline = started + job.timeout_s
             while True:
-                if tracker.steps_done.is_set():
+                if tracker.steps_done.is_set() and (side is None or side.done()):
                     outcome = JobOutcome(True, f"weight version {tracker.version} published")
                     break
                 if time.time() > deadline:
