@@ -207,7 +207,7 @@ class ElasticPolicy(Policy):
         min_train_devices: int = 1,
         home_rollout_devices: int | None = None,
         role_change_s: float = 15.0,
-        min_step_over_switch: float = 4.0,
+        min_step_over_switch: float = 20.0,
         spread_idle: bool = True,
     ) -> None:
         super().__init__(staleness_bound)
@@ -225,17 +225,21 @@ class ElasticPolicy(Policy):
         live = snapshot.live_executions
         must = math.ceil(live / max(1, snapshot.engine_capacity))  # every live execution has a slot
         ceiling = max(1, total - self.min_train_devices)
-        if not snapshot.trainer_wants_devices:
+        if not snapshot.trainer_wants_devices and self._moves_pay(snapshot):
             # Spread the rollout over the idle trainer's devices (one engine per live execution at most).
             return min(ceiling, max(must, live if self.spread_idle else must))
         home = self.home_rollout_devices or max(1, total // 2)
         return max(must, min(live, home, ceiling))
 
+    def _moves_pay(self, snapshot: PoolSnapshot) -> bool:
+        """Steps long enough that a round trip of role changes is small against them (unknown before
+        the first step: no optional move)."""
+        return snapshot.trainer_step_s > self.min_step_over_switch * self.role_change_s
+
     def _lending_pays(self, snapshot: PoolSnapshot) -> bool:
         if snapshot.count(Role.TRAIN) < max(1, self.min_train_devices):
             return True  # a trainer with work and no device is stranded: always worth a move
-        step = snapshot.trainer_step_s
-        return step <= 0 or step > self.min_step_over_switch * self.role_change_s
+        return self._moves_pay(snapshot)
 
     def plan(self, snapshot: PoolSnapshot) -> list[Reassignment]:
         target = self.target_rollout(snapshot)

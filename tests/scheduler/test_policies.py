@@ -57,7 +57,7 @@ def test_async_keeps_its_fixed_split() -> None:
 
 
 def test_elastic_lends_tail_devices_highest_ids_first_while_the_trainer_works() -> None:
-    snap = _snap([Role.ROLLOUT] * 4 + [Role.TRAIN] * 4, live=1, cap=4, backlog=1, busy=True)
+    snap = _snap([Role.ROLLOUT] * 4 + [Role.TRAIN] * 4, live=1, cap=4, backlog=1, busy=True, step_s=900.0)
     moves = ElasticPolicy().plan(snap)
     assert sorted(m.device_id for m in moves) == ["d01", "d02", "d03"]
     assert all(m.to_role == Role.TRAIN for m in moves)
@@ -66,7 +66,14 @@ def test_elastic_lends_tail_devices_highest_ids_first_while_the_trainer_works() 
 def test_elastic_never_plans_fewer_slots_than_live_executions() -> None:
     for live in range(0, 17):
         for busy in (False, True):
-            snap = _snap([Role.ROLLOUT] * 4 + [Role.TRAIN], live=live, cap=4, backlog=int(busy), busy=busy)
+            snap = _snap(
+                [Role.ROLLOUT] * 4 + [Role.TRAIN],
+                live=live,
+                cap=4,
+                backlog=int(busy),
+                busy=busy,
+                step_s=900.0,
+            )
             moves = ElasticPolicy().plan(snap)
             rollout = 4 + sum(1 if m.to_role == Role.ROLLOUT else -1 for m in moves)
             assert rollout * 4 >= live, (live, busy)
@@ -74,14 +81,16 @@ def test_elastic_never_plans_fewer_slots_than_live_executions() -> None:
 
 def test_elastic_spreads_the_rollout_over_an_idle_trainer_and_keeps_one_trainer_device() -> None:
     roles = [Role.ROLLOUT] * 2 + [Role.TRAIN] * 4
-    moves = ElasticPolicy().plan(_snap(roles, live=8, queued=0, cap=4))
+    moves = ElasticPolicy().plan(_snap(roles, live=8, queued=0, cap=4, step_s=900.0))
     assert sorted(m.device_id for m in moves) == ["d03", "d04", "d05"]  # d02 stays: min_train_devices
-    assert ElasticPolicy(spread_idle=False).plan(_snap(roles, live=8, cap=4)) == []
+    assert ElasticPolicy(spread_idle=False).plan(_snap(roles, live=8, cap=4, step_s=900.0)) == []
+    home = [Role.ROLLOUT] * 3 + [Role.TRAIN] * 3
+    assert ElasticPolicy().plan(_snap(home, live=8, cap=4, step_s=0.0)) == []  # no step yet: stay at home
 
 
 def test_elastic_returns_borrowed_devices_to_a_trainer_that_has_work_again() -> None:
     roles = [Role.ROLLOUT] * 5 + [Role.TRAIN]
-    moves = ElasticPolicy().plan(_snap(roles, live=8, cap=4, backlog=1, busy=True))
+    moves = ElasticPolicy().plan(_snap(roles, live=8, cap=4, backlog=1, busy=True, step_s=900.0))
     assert len(moves) == 2 and all(m.to_role == Role.TRAIN for m in moves)  # back to the home split of 3
 
 
@@ -99,7 +108,7 @@ def test_elastic_gives_a_stranded_trainer_a_device_whatever_the_cost() -> None:
 
 
 def test_elastic_takes_devices_back_when_new_batch_is_admitted() -> None:
-    snap = _snap([Role.ROLLOUT] + [Role.TRAIN] * 3, live=8, queued=8, cap=4)
+    snap = _snap([Role.ROLLOUT] + [Role.TRAIN] * 3, live=8, queued=8, cap=4, step_s=900.0)
     moves = ElasticPolicy().plan(snap)
     assert len(moves) == 2 and all(m.to_role == Role.ROLLOUT for m in moves)
 

@@ -708,7 +708,8 @@ class Simulation:
 
     def _end_step(self, k: int) -> None:
         self.train_spans.append(self.now - (self.step_started or self.now))
-        self.last_step_s = self.now - (self.step_started or self.now)
+        # What the trainer reports as trainer_step_s: seconds between its last two optimizer steps.
+        self.last_step_s = self.now - (self.step_done[-1] if self.step_done else 0.0)
         self.step_done.append(self.now)
         self.step_started = None
         self.step_units = None
