@@ -69,7 +69,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_transformers(tmp_path):
+def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_transformers(
+    tmp_path, nats_url
+):
     """`gyre run examples/hf_model.yaml` with real services, from a tiny Llama this test writes.
 
     Shows: the rollout served the checkpoint as version 0 (the log-probs it recorded equal the
@@ -80,15 +82,20 @@ def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_
     import transformers
 
     from gyre.app.job.eventlog import read_events
+    from gyre.bus import subjects
     from gyre.model import build_model, load_weights
     from gyre.model.hf import read_hf_config
+    from gyre.v1 import events_pb2
     from services.trainer.hf import export_weights, write_tiny_llama
+    from tests.helpers.stream import read_stream
 
     ckpt = write_tiny_llama(tmp_path / "tiny-llama")
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
     env.update(
         HF_HUB_OFFLINE="1",
+        GYRE_NATS_URL=nats_url,  # the session's server: the step events outlive the run
+        GYRE_RUN_ID=f"hf-{tmp_path.name}"[:60].replace("_", "-"),
         GYRE_TRAINER__INIT_WEIGHTS=str(ckpt),
         GYRE_ROLLOUT__INIT_WEIGHTS=str(ckpt),
     )
@@ -109,30 +116,31 @@ def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_
     cfg = read_hf_config(ckpt)
 
     # the rollout served the checkpoint: a version-0 call's log-probs are the HF model's
-    steps = [r["event"] for r in read_events(run_dir / "events.jsonl") if r["type"] == "StepEvent"]
-    v0 = [s for s in steps if set(map(int, s.get("completion_versions", [1]))) == {0}]
+    num_steps = sum(1 for r in read_events(run_dir / "events.jsonl") if r["type"] == "StepEvent")
+    run_id = env["GYRE_RUN_ID"]
+    steps = read_stream(nats_url, subjects.steps(run_id, "*"), events_pb2.StepEvent, num_steps)
+    v0 = [s for s in steps if set(s.completion_versions) == {0}]
     assert v0, "no call was served by version 0"
     step = v0[0]
-    prompt = [int(t) for t in step["prompt_token_ids"]]
-    completion = [int(t) for t in step["completion_token_ids"]]
+    prompt, completion = list(step.prompt_token_ids), list(step.completion_token_ids)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + completion])).logits[0].double()
     expected = [
         float(torch.log_softmax(logits[len(prompt) - 1 + i], -1)[t]) for i, t in enumerate(completion)
     ]
-    got = [float(x) for x in step["completion_logprobs"]]
+    got = list(step.completion_logprobs)
     assert got == pytest.approx(expected, abs=1e-4)
+    gap = max(abs(a - b) for a, b in zip(got, expected, strict=True))
+    print(f"v0 call {step.event_id}: max |logprob - transformers| = {gap:.2e}")
 
     # the trainer started from the checkpoint: version 1 is one AdamW step (lr 1e-3) away from it
     v1 = build_model(cfg, device="cpu", dtype=torch.float32)
     load_weights(v1, run_dir / "weights" / "v000001.safetensors")
     start = import_hf(ckpt)
-    drift = max(
-        float((a - b).abs().max())
-        for a, b in zip(v1.state_dict().values(), start.state_dict().values(), strict=True)
-        if a.is_floating_point()
-    )
+    mine, theirs = v1.state_dict(), start.state_dict()
+    drift = max(float((mine[k] - theirs[k]).abs().max()) for k in mine if not k.endswith("_extra_state"))
     assert 0 < drift < 0.01, drift
+    print(f"max |v1 - checkpoint| = {drift:.2e} (one AdamW step, lr 1e-3)")
 
     # version 2, exported, loads into transformers with the same logits as our model
     v2_path = run_dir / "weights" / "v000002.safetensors"
@@ -145,4 +153,5 @@ def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_
         theirs = back(ids).logits
         mine = causal_logits(ours, ids)
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    print(f"v2 exported: max |gyre logits - transformers logits| = {float((mine - theirs).abs().max()):.2e}")
     assert not torch.equal(back.lm_head.weight, hf.lm_head.weight), "version 2 did not train"

@@ -1,0 +1,34 @@
+"""Read a run's events back from JetStream after the run (full payloads: events.jsonl keeps summaries)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+from google.protobuf.message import Message
+
+from gyre.bus import Bus
+
+M = TypeVar("M", bound=Message)
+
+
+async def _read(nats_url: str, subject: str, msg_type: type[M], n: int, timeout_s: float) -> list[M]:
+    bus = await Bus.connect(nats_url, name="test-reader")
+    out: list[M] = []
+
+    async def run() -> None:
+        async for ev in bus.tail(subject, msg_type, from_start=True):
+            out.append(ev)
+            if len(out) == n:
+                return
+
+    try:
+        await asyncio.wait_for(run(), timeout_s)
+    finally:
+        await bus.close()
+    return out
+
+
+def read_stream(nats_url: str, subject: str, msg_type: type[M], n: int, timeout_s: float = 60.0) -> list[M]:
+    """The first `n` messages on `subject`, replayed from the start of its stream (TimeoutError if fewer)."""
+    return asyncio.run(_read(nats_url, subject, msg_type, n, timeout_s))
