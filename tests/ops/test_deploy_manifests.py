@@ -110,16 +110,34 @@ def test_kustomization_lists_every_manifest_file() -> None:
     assert set(kustomization["resources"]) == files
 
 
+def _pod_of(service_name: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(Service, the Deployment whose pods it selects, that pod's container)."""
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
+    service = by_kind[("Service", service_name)]
+    deployment = next(
+        d
+        for (kind, _), d in by_kind.items()
+        if kind == "Deployment" and d["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    )
+    return service, deployment, deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def _probed_ports(probe: dict[str, Any]) -> set[int]:
+    """gRPC ports a probe checks: a native grpc probe, or an exec of gyre's health probe."""
+    if "grpc" in probe:
+        return {probe["grpc"]["port"]}
+    command = probe["exec"]["command"]
+    assert command[:3] == ["python", "-m", "gyre.app.launcher.healthcheck"]
+    return {int(address.rsplit(":", 1)[1]) for address in command[3].split(",")}
+
+
 @pytest.mark.parametrize("name", SERVICES)
 def test_each_service_has_a_deployment_and_service_with_grpc_probes(name: str) -> None:
-    by_kind = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
-    deployment = by_kind[("Deployment", name)]
-    service = by_kind[("Service", name)]
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
-    grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == grpc_port
-    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    service, deployment, container = _pod_of(name)
+    grpc_target = next(p["targetPort"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == grpc_target)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert grpc_port in _probed_ports(container[probe]), (name, probe)
     env = {e["name"]: e for e in container["env"]}
     assert env["GYRE_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "gyre-database"
     assert env["GYRE_NATS_URL"]["value"].startswith("nats://")
@@ -153,9 +171,35 @@ def _compose_env(name: str) -> dict[str, str]:
 
 
 def _k8s_env(name: str) -> dict[str, str]:
-    by_kind = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
-    container = by_kind[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+    _, _, container = _pod_of(name)
     return {e["name"]: e.get("value", "") for e in container["env"]}
+
+
+def test_trainer_and_rollout_share_one_pod_holding_the_nodes_gpus_so_a_device_can_change_role() -> None:
+    _, trainer_pod, container = _pod_of("trainer")
+    _, rollout_pod, _ = _pod_of("rollout")
+    assert trainer_pod["metadata"]["name"] == rollout_pod["metadata"]["name"]  # one container, both roles
+    command = container["command"]
+    assert command[:2] == ["gyre", "up"]
+    hosted = {command[i + 1] for i, arg in enumerate(command) if arg == "--service"}
+    assert hosted == GPU_SERVICES
+    ports = {command[i + 1] for i, arg in enumerate(command) if arg == "--port"}
+    declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {f"{s}={declared[s + '-grpc']}" for s in GPU_SERVICES}
+    assert container["resources"]["limits"]["nvidia.com/gpu"] > 0
+
+
+def test_compose_gives_rollout_and_trainer_the_same_devices_all_of_them() -> None:
+    services = _compose()["services"]
+    for name in GPU_SERVICES:
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert [d["count"] for d in devices] == ["all"], name
+        assert services[name]["restart"] == "unless-stopped"
+
+
+@pytest.mark.parametrize("name", ["nats", "postgres", *SERVICES])
+def test_every_compose_container_restarts_when_it_exits(name: str) -> None:
+    assert _compose()["services"][name]["restart"] == "unless-stopped"
 
 
 @pytest.mark.parametrize("name", SERVICES)

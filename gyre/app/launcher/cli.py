@@ -1,9 +1,13 @@
-"""`gyre up [--config FILE] [--check] [--service NAME ...]`: run a deployment on this machine.
+"""`gyre up [--config FILE] [--check] [--service NAME ...] [--host H] [--port NAME=PORT ...]`: run a deployment.
 
 Starts NATS and Postgres (embedded unless GYRE_NATS_URL / GYRE_DATABASE_URL or the config name
 external ones) and every service as its own process (gyre.app.launcher.deployment), prints the
-endpoints and serves until Ctrl-C / SIGTERM, then stops everything in reverse order. With
---check it verifies that every service is healthy and serves /metrics, stops, and exits 0.
+endpoints and serves until Ctrl-C / SIGTERM, then stops everything in reverse order; meanwhile it
+restarts a service that exits (launcher.restart, with backoff and a restart budget). With --check
+it verifies that every service is healthy and serves /metrics, stops, and exits 0. `--port` and
+`--metrics-port` fix a service's ports (a container or pod hosting several services, probed on
+known ports: deploy/k8s/worker.yaml runs `gyre up --service trainer --service rollout` so one
+node's devices can move between the two roles).
 Exit status: 0 stopped cleanly, 1 a service failed (its log tail is printed), 2 bad usage/config,
 130 interrupted during start.
 """
@@ -37,7 +41,37 @@ def _parser() -> argparse.ArgumentParser:
         help="start only this service (repeatable; default: launcher.services of the config, else all)",
     )
     parser.add_argument("--run-dir", type=Path, help="override run_dir of the config")
+    parser.add_argument(
+        "--host", help="interface the services bind (overrides launcher.host; 0.0.0.0 in a pod)"
+    )
+    parser.add_argument(
+        "--port",
+        action="append",
+        default=[],
+        metavar="NAME=PORT",
+        help="gRPC port of service NAME (repeatable)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        action="append",
+        default=[],
+        metavar="NAME=PORT",
+        help="Prometheus /metrics port of service NAME (repeatable)",
+    )
     return parser
+
+
+def service_ports(ports: list[str], metrics_ports: list[str]) -> dict[str, list[str]]:
+    """Per-service command-line arguments for `--port NAME=PORT` / `--metrics-port NAME=PORT`;
+    GyreError naming a malformed one."""
+    args: dict[str, list[str]] = {}
+    for flag, values in (("--port", ports), ("--metrics-port", metrics_ports)):
+        for value in values:
+            name, _, port = value.partition("=")
+            if not name or not port.isdigit():
+                raise GyreError(f"{flag} takes NAME=PORT (e.g. {flag} trainer=50053), got {value!r}")
+            args.setdefault(name, []).extend([flag, port])
+    return args
 
 
 def endpoints_table(endpoints: object) -> object:
@@ -107,6 +141,8 @@ def main(argv: list[str]) -> int:
             args.config,
             services=args.services,
             run_dir=args.run_dir,
+            host=args.host,
+            service_args=service_ports(args.port, args.metrics_port),
             on_progress=lambda line: console.print(f"[dim]gyre up:[/dim] {line}"),
         )
         endpoints = deployment.start()

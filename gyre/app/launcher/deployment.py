@@ -92,6 +92,7 @@ class Deployment:
         service_args: Mapping[str, Sequence[str]] | None = None,
         start_timeout_s: float | None = None,
         stop_grace_s: float | None = None,
+        host: str | None = None,
         on_progress: Callable[[str], None] | None = None,
     ) -> None:
         self.config_path = Path(config_path).resolve() if config_path is not None else None
@@ -104,6 +105,8 @@ class Deployment:
             overrides["start_timeout_s"] = start_timeout_s
         if stop_grace_s is not None:
             overrides["stop_grace_s"] = stop_grace_s
+        if host is not None:
+            overrides["host"] = host
         launcher = load_section(LauncherConfig, "launcher", data=self._raw)
         self.launcher = LauncherConfig.model_validate({**launcher.model_dump(), **overrides})
         self.common: CommonConfig = common

@@ -1,6 +1,7 @@
-"""A gRPC health probe usable from a shell: `python -m gyre.app.launcher.healthcheck HOST:PORT [SERVICE]`.
+"""A gRPC health probe usable from a shell: `python -m gyre.app.launcher.healthcheck HOST:PORT[,HOST:PORT...] [SERVICE]`.
 
-Exit status 0 when the server answers the standard `grpc.health.v1.Health/Check` with SERVING,
+Exit status 0 when the server (every server, for a comma-separated list: one pod or container
+hosting several services) answers the standard `grpc.health.v1.Health/Check` with SERVING,
 1 otherwise (not serving, unreachable, timeout). Compose health checks and humans use it; Kubernetes
 uses its native gRPC probe against the same health service. Imports only grpc, so a probe costs
 about a tenth of a second, not a service's import time.
@@ -32,13 +33,18 @@ def check(address: str, service: str = "", timeout_s: float = 3.0) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gyre.app.launcher.healthcheck", description=__doc__)
-    parser.add_argument("address", help="HOST:PORT of the gRPC server")
+    parser.add_argument(
+        "address", help="HOST:PORT of the gRPC server; several, comma-separated: all must serve"
+    )
     parser.add_argument("service", nargs="?", default="", help="service name; empty = the whole server")
     parser.add_argument("--timeout-s", type=float, default=3.0, help="deadline of the Check call, seconds")
     args = parser.parse_args(argv)
-    status = check(args.address, args.service, args.timeout_s)
-    print(f"{args.address} {args.service or '(server)'} {status}")
-    return 0 if status == "SERVING" else 1
+    ok = True
+    for address in args.address.split(","):
+        status = check(address, args.service, args.timeout_s)
+        print(f"{address} {args.service or '(server)'} {status}")
+        ok = ok and status == "SERVING"
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
