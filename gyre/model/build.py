@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -16,21 +17,29 @@ def _quiet_megatron_import() -> None:
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 
 
+_PARALLEL_INIT_LOCK = threading.Lock()
+
+
 def ensure_model_parallel() -> None:
     """Initialise torch.distributed (gloo, world of 1) and Megatron's parallel state (TP = PP = 1).
 
-    Safe to call any number of times. The trainer's elastic data-parallel group is a separate
-    process group (services.trainer.elastic), so this world of one never changes size.
+    Safe to call any number of times, from any thread (a lock makes concurrent first calls one: two
+    engines started at once used to fail with "pipeline model parallel group is already
+    initialized"). The trainer's elastic data-parallel group is a separate process group
+    (services.trainer.elastic), so this world of one never changes size.
     """
     import torch.distributed as dist
 
     _quiet_megatron_import()
     from megatron.core import parallel_state
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    with _PARALLEL_INIT_LOCK:  # engines start in worker threads, possibly two at once
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1
+            )
 
 
 def transformer_config(cfg: ModelConfig) -> Any:
