@@ -23,8 +23,9 @@ equals the single-process step over the same micro-batches up to float summation
 Guarantees
 - After every resize, every replica holds rank 0's parameters, reference parameters and
   optimizer state bit for bit (rank 0 broadcasts them to the whole new group).
-- Ranks are tied to devices: a released device's rank leaves and its process has exited when
-  `apply` returns. When rank 0's own device is released while others are held, rank 0 moves onto
+- Ranks are tied to devices: a released device's rank has left the group when `apply` returns;
+  on a GPU its process has exited (the device is free). A logical CPU slot's worker is kept as a
+  spare, outside every group, and serves the next slot granted (no new process start-up). When rank 0's own device is released while others are held, rank 0 moves onto
   one of them (the worker there retires); with no device held, rank 0 is parked on the CPU.
 - Growing starts workers without blocking; they join at the first boundary after they are ready
   (or at once with `apply(wait=True)`).
@@ -195,6 +196,7 @@ class ReplicaSpec:
 @dataclass
 class _Worker:
     device_id: str
+    device: str  # torch device of its replica
     process: multiprocessing.process.BaseProcess
     conn: Connection
     ready: bool = False
@@ -244,6 +246,7 @@ class ElasticGroup:
         self.home: str | None = None  # rank 0's device
         self.members: list[_Worker] = []  # joined workers; rank = index + 1
         self.booting: list[_Worker] = []  # started, joining at a later boundary
+        self.spares: list[_Worker] = []  # ready CPU workers out of the group, reused before spawning
         self.wanted: list[str] = []
         self.generation = 0
         self.pg: Any = None
@@ -311,18 +314,33 @@ class ElasticGroup:
                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                 wait_for_workers=False,
             )
-        parent, child = self.ctx.Pipe()
         spec = self.spec_of(device_id)
         self.backend = spec.backend
+        if spec.device == "cpu" and self.spares:
+            worker = self.spares.pop()
+            worker.device_id = device_id
+            return worker
+        parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(
             target=worker_main, args=(child, STORE_HOST, self.store.port, spec), daemon=True
         )
         proc.start()
         child.close()
         log.info("data-parallel worker for %s starting on %s (pid %s)", device_id, spec.device, proc.pid)
-        return _Worker(device_id, proc, parent)
+        return _Worker(device_id, spec.device, proc, parent)
 
     def _retire(self, worker: _Worker) -> None:
+        """The worker leaves the group. A ready worker of a logical CPU slot stays as a spare (its
+        process holds no device; the next slot granted reuses it instead of paying a new process's
+        start-up); any other worker exits — a worker still booting is terminated at once."""
+        if worker.poll_ready() and worker.device == "cpu":
+            self.spares.append(worker)
+            return
+        if not worker.ready:
+            worker.process.terminate()
+        self._exit(worker)
+
+    def _exit(self, worker: _Worker) -> None:
         try:
             worker.conn.send(("leave",))
         except (BrokenPipeError, OSError):
@@ -387,10 +405,16 @@ class ElasticGroup:
     def worker_pids(self) -> list[int]:
         return [w.process.pid or 0 for w in self.members]
 
+    def spare_pids(self) -> list[int]:
+        return [w.process.pid or 0 for w in self.spares]
+
     def close(self) -> None:
-        for w in self.members + self.booting:
-            self._retire(w)
-        self.members, self.booting, self.pg = [], [], None
+        """Every worker process exits (members, booting ones and spares)."""
+        for w in self.members + self.booting + self.spares:
+            if not w.ready:
+                w.process.terminate()
+            self._exit(w)
+        self.members, self.booting, self.spares, self.pg = [], [], [], None
 
 
 # --- a worker process (ranks >= 1) -------------------------------------------------------------

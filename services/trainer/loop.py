@@ -250,7 +250,9 @@ class Trainer:
         metrics.update(
             step=float(self.state.step),
             dp_size=float(self.dp.size),
-            dp_size_mean=sum(sizes) / len(sizes),
+            dp_size_mean=sum(sizes) / len(sizes),  # ranks per micro-batch: min < max = resized mid-step
+            dp_size_min=float(min(sizes)),
+            dp_size_max=float(max(sizes)),
             num_micro_batches=float(len(micro_batches)),
             step_s=time.perf_counter() - start,
         )

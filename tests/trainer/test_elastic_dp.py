@@ -124,16 +124,19 @@ async def test_ranks_join_and_leave_mid_step_and_the_step_equals_one_rank(tmp_pa
     try:
         await elastic.run(max_steps=NUM_STEPS)
         assert len(set(await asyncio.to_thread(elastic.dp.replica_digests))) == 1
-        final_pids = elastic.dp.worker_pids()
+        final_pids, spare_pids = elastic.dp.worker_pids(), elastic.dp.spare_pids()
     finally:
         await asyncio.to_thread(elastic.close)
+    assert not any(_running(pid) for pid in seen_pids), "close() left a worker process running"
 
     assert boundary >= len(SCHEDULE), "the schedule did not play out: too few micro-batches"
     assert {1, 2, 3} <= set(seen_sizes)
     assert elastic.dp.generation >= 5
-    assert not any(_running(pid) for pid in seen_pids - set(final_pids)), "a leaving rank outlived its resize"
+    # CPU slots: a leaving rank's process stays as a spare outside the group and serves the next
+    # slot granted, so three devices over six resizes needed two worker processes
+    assert len(seen_pids) == 2 and set(spare_pids).isdisjoint(final_pids)
     assert len(metrics) == len(reference_metrics) == NUM_STEPS
-    assert any(m["dp_size_mean"] not in (1.0, 2.0, 3.0) for m in metrics), "no step was resized mid-step"
+    assert metrics[0]["dp_size_min"] == 1 and metrics[0]["dp_size_max"] == 3, "step 1 grew mid-step"
     for step, (got, want) in enumerate(zip(metrics, reference_metrics, strict=True), start=1):
         for key in ("loss", "num_tokens", "num_trained_tokens", "grad_norm", "ratio_mean"):
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-12), f"{key} at step {step}"
