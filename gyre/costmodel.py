@@ -108,15 +108,18 @@ class CostModel:
         self.hardware = hardware
         self.costs = costs
         self.devices_per_unit = devices_per_unit
-
-    @property
-    def _unit_bandwidth(self) -> float:
-        hw = self.hardware
-        return self.devices_per_unit * hw.hbm_bandwidth_bytes_s * hw.bandwidth_efficiency
+        # Hot-path constants (the simulator prices every turn).
+        self._unit_bandwidth = (
+            devices_per_unit * hardware.hbm_bandwidth_bytes_s * hardware.bandwidth_efficiency
+        )
+        self._kv_per_token = model.kv_bytes_per_token
+        self._weights = model.weight_bytes
+        self._prefill_flops_s = devices_per_unit * hardware.peak_flops * costs.prefill_mfu
+        self._attn = 4 * model.num_layers * model.attention_dim
 
     def kv_bytes(self, context_tokens: float) -> float:
         """KV cache bytes of one sequence of `context_tokens` tokens."""
-        return self.model.kv_bytes_per_token * context_tokens
+        return self._kv_per_token * context_tokens
 
     def kv_budget_bytes(self) -> float:
         """KV bytes one engine unit can hold: its HBM less the reserve and the weights [D]."""
@@ -132,16 +135,13 @@ class CostModel:
     def decode_step_s(self, decoding_context_tokens: float) -> float:
         """One decode step of an engine: memory-bound, reads the weights once and the KV of every
         sequence in the batch (reference §3.4: t = (W + sum KV(c)) / (eta * BW), over the TP group)."""
-        return (self.model.weight_bytes + self.kv_bytes(decoding_context_tokens)) / self._unit_bandwidth
+        return (self._weights + self._kv_per_token * decoding_context_tokens) / self._unit_bandwidth
 
     def prefill_s(self, new_tokens: float, context_tokens: float) -> float:
         """Incremental prefill of `new_tokens` on top of `context_tokens` cached ones (compute-bound):
         2N per token + 4 * layers * attention_dim * (context + new/2) per token (reference §6.2)."""
-        m = self.model
-        flops = new_tokens * (
-            2 * m.params + 4 * m.num_layers * m.attention_dim * (context_tokens + new_tokens / 2)
-        )
-        return flops / (self.devices_per_unit * self.hardware.peak_flops * self.costs.prefill_mfu)
+        flops = new_tokens * (2 * self.model.params + self._attn * (context_tokens + new_tokens / 2))
+        return flops / self._prefill_flops_s
 
     def train_flops(self, context_tokens: float) -> float:
         """FLOPs to train on one sequence of length L: 6NL + 6 * layers * attention_dim * L^2

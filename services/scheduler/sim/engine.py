@@ -97,7 +97,12 @@ class GroupCutoff:
     task: int
 
 
-Event = GenDone | EnvDone | CopyDone | Switched | RoundDone | GroupCutoff
+@dataclass(frozen=True)
+class PlanTick:
+    """The plan loop runs: the policy is asked once for every change since the last run."""
+
+
+Event = GenDone | EnvDone | CopyDone | Switched | RoundDone | GroupCutoff | PlanTick
 
 
 class Phase(StrEnum):
@@ -124,10 +129,10 @@ class _Unit:
     token: int = 0
     pending_copies: int = 0
     leaving_trainer: bool = False  # asked to leave; goes at the trainer's next resize point
+    device_id: str = ""
 
-    @property
-    def device_id(self) -> str:
-        return f"u{self.uid:03d}"
+    def __post_init__(self) -> None:
+        self.device_id = f"u{self.uid:03d}"
 
 
 @dataclass
@@ -186,6 +191,7 @@ class Simulation:
         executions: list[list[ExecutionPlan]],
         engine_capacity: int,
         record_snapshots: bool = False,
+        plan_interval_s: float = 1.0,
     ) -> None:
         self.policy = policy
         self.w = workload
@@ -251,6 +257,12 @@ class Simulation:
         self.rollout_spans: list[float] = []
         self.train_spans: list[float] = []
         self.snapshots: list[tuple[PoolSnapshot, tuple[Any, ...]]] = []
+        self.plan_interval_s = plan_interval_s
+        self.plan_pending = False
+        self.last_plan = -plan_interval_s
+        self.live_per_batch = [0] * len(self.batches)
+        self.batch_version = [0] * len(self.batches)
+        self.num_env = 0
 
     # --- event plumbing ---------------------------------------------------------------------------
     def _push(self, t: float, event: Event) -> None:
@@ -291,6 +303,8 @@ class Simulation:
                     self._on_round_done(token)
                 case GroupCutoff(step, task):
                     self._score_group(step, task)
+                case PlanTick():
+                    self._plan_now()
         return self._result()
 
     def _initial_roles(self) -> None:
@@ -307,6 +321,8 @@ class Simulation:
         while self.next_batch < len(self.batches) and may_start_batch(
             self.next_batch, self.version, self.bound
         ):
+            self.batch_version[self.next_batch] = self.version
+            self.live_per_batch[self.next_batch] = len(self.batches[self.next_batch])
             for eid in self.batches[self.next_batch]:
                 e = self.execs[eid]
                 e.start_version = self.version
@@ -446,6 +462,7 @@ class Simulation:
             self._finish(e)
             return
         e.phase = Phase.ENV
+        self.num_env += 1
         e.token += 1
         self._push(self.now + e.plan.env_s[e.turn - 1], EnvDone(e.eid, e.token))
 
@@ -453,6 +470,7 @@ class Simulation:
         e = self.execs[eid]
         if token != e.token:
             return
+        self.num_env -= 1
         if e.unit is None:  # parked during its environment wait: the next turn starts once placed
             e.phase = Phase.WAITING
             return
@@ -463,6 +481,7 @@ class Simulation:
         e.phase = Phase.DONE
         self.live -= 1
         k = e.step
+        self.live_per_batch[k] -= 1
         self.finish_times[k].append(self.now)
         key = (k, e.plan.task)
         if key not in self.group_scored:
@@ -596,20 +615,31 @@ class Simulation:
         self._plan()
 
     def _plan(self) -> None:
+        """Something the policy looks at changed: the plan loop runs at its next tick (it runs at most
+        once per `plan_interval_s`, as the live loop; changes in between are seen together)."""
+        if self.plan_pending:
+            return
+        self.plan_pending = True
+        self._push(max(self.now, self.last_plan + self.plan_interval_s), PlanTick())
+
+    def _plan_now(self) -> None:
+        self.plan_pending = False
+        self.last_plan = self.now
         for m in self.policy.plan(self._snapshot()):
             self._apply(int(m.device_id[1:]), m.to_role)
 
     # --- the policy's inputs: the live fields, through the live function -------------------------------------
     def loads(self) -> tuple[scheduler_pb2.WorkerLoad, scheduler_pb2.WorkerLoad]:
         """What the rollout and the trainer would report to the scheduler now (proto WorkerLoad)."""
-        resident = [self.execs[i] for u in self.units for i in u.residents]
-        versions = [e.start_version for e in resident] + [self.execs[i].start_version for i in self.queue]
+        oldest = next(
+            (self.batch_version[k] for k, n in enumerate(self.live_per_batch) if n > 0), self.version
+        )
         rollout = scheduler_pb2.WorkerLoad(
             live_executions=self.live,
             queued_generations=len(self.queue),
             running_generations=sum(u.num_generating for u in self.units),
-            waiting_on_environment=sum(1 for e in resident if e.phase == Phase.ENV),
-            weight_version=min(versions, default=self.version),
+            waiting_on_environment=self.num_env,
+            weight_version=oldest,
             engine_capacity=self.slots,
         )
         trainer = scheduler_pb2.WorkerLoad(
