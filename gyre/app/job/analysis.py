@@ -18,6 +18,17 @@ window also holds step 0's warm-up. `reward_first20` and `reward_last20`
 are the mean reward of the samples in those steps, each with a 95% percentile-bootstrap interval.
 The run **learned** iff the 95% bootstrap interval of the difference `last20 - first20` lies
 entirely above 0 — the improvement is larger than the sampling noise of both windows.
+
+Learning health, per step: the trainer's `entropy` (nats, of generated tokens), `kl_behaviour`
+(KL from the behaviour policy) and `clip_fraction` (from the weights event's metrics, see
+services/trainer/loss.py); the fraction of scored groups whose rewards all agree (zero variance:
+every advantage is 0, the group teaches nothing); the oracle's reward on the same tasks (the
+environment's `progress.extra["oracle_reward"]`, when it reports one).
+
+Stall (the rule, `detect_stall`): over a sliding window of STALL_WINDOW_STEPS steps, at least
+STALL_ZERO_VARIANCE of the scored groups have zero variance while the mean reward is below
+STALL_REWARD_FRACTION of the oracle's (1.0, the scorer's default maximum, when the environment
+reports no oracle). The warning names the span of steps where that held.
 """
 
 from __future__ import annotations
@@ -36,6 +47,15 @@ ROLE_NAMES = {"DEVICE_ROLE_ROLLOUT": "rollout", "DEVICE_ROLE_TRAIN": "train", "D
 _TERMINAL_KINDS = {"KIND_FINISHED", "KIND_TRUNCATED", "KIND_FAILED"}
 CONFIDENCE = 0.95
 NUM_BOOTSTRAP = 5000
+ZERO_VARIANCE_STD = 1e-9  # a group whose reward_std is at most this has zero variance
+STALL_WINDOW_STEPS = 10
+STALL_ZERO_VARIANCE = 0.5
+STALL_REWARD_FRACTION = 0.9
+STALL_RULE = (
+    f"stalled iff, over {STALL_WINDOW_STEPS} consecutive trainer steps, at least {STALL_ZERO_VARIANCE:.0%} of "
+    f"the scored groups have zero reward variance (no advantage, no learning signal) while the mean reward "
+    f"is below {STALL_REWARD_FRACTION:.0%} of the oracle's"
+)
 LEARNED_RULE = (
     "learned iff the 95% bootstrap interval of (reward_last20 - reward_first20) lies entirely above 0, "
     "i.e. the last 20% of trainer steps beat the first 20% by more than the sampling noise of both"
@@ -88,6 +108,16 @@ class StepRow:
     batch_tokens: int = 0
     batch_flat_tokens: int = 0
     trainer_metrics: dict[str, float] = field(default_factory=dict)
+    num_zero_variance_groups: int = 0  # scored groups whose reward_std is 0 (every advantage 0)
+    oracle_samples: list[float] = field(default_factory=list)  # oracle_reward of executions ended here
+
+    @property
+    def zero_variance_fraction(self) -> float:
+        return self.num_zero_variance_groups / self.num_groups if self.num_groups else math.nan
+
+    @property
+    def oracle_mean(self) -> float:
+        return statistics.fmean(self.oracle_samples) if self.oracle_samples else math.nan
 
     @property
     def reward_mean(self) -> float:
@@ -108,6 +138,32 @@ class RoleSegment:
     role: str  # one of ROLES
     start_s: float
     end_s: float
+
+
+@dataclass(frozen=True)
+class StallWarning:
+    """Steps `first_step`..`last_step` met the stall rule (STALL_RULE); numbers pooled over them."""
+
+    first_step: int
+    last_step: int
+    zero_variance_fraction: float
+    reward: float
+    oracle: float
+    oracle_reported: bool
+    rule: str = STALL_RULE
+
+    def message(self) -> str:
+        oracle = (
+            f"the oracle's {self.oracle:.3f}"
+            if self.oracle_reported
+            else f"{self.oracle:.3f} (no oracle reported)"
+        )
+        return (
+            f"WARNING learning stalled in steps {self.first_step}-{self.last_step}: "
+            f"{self.zero_variance_fraction:.0%} of groups had zero reward variance (no learning signal) "
+            f"while the reward was {self.reward:.3f}, below {oracle}; "
+            "raise trainer.entropy_coef, lower trainer.lr, or sample larger groups"
+        )
 
 
 @dataclass
@@ -135,6 +191,7 @@ class RunAnalysis:
     execution_context_tokens: list[int] = field(default_factory=list)
     execution_num_calls: list[int] = field(default_factory=list)
     execution_generated_tokens: list[int] = field(default_factory=list)
+    stall: StallWarning | None = None
 
     @property
     def device_idle_fraction(self) -> float:
@@ -224,6 +281,59 @@ def reward_verdict(steps: list[StepRow], num_steps: int, *, seed: int = 0) -> Re
         learned=learned,
         first_steps=(f0, f1),
         last_steps=(l0, l1),
+    )
+
+
+def step_reward(row: StepRow) -> list[float]:
+    """The reward samples of a step (executions' scores, else the scored groups')."""
+    return row.reward_samples or row.scored_samples
+
+
+def detect_stall(
+    steps: list[StepRow],
+    *,
+    window: int = STALL_WINDOW_STEPS,
+    zero_variance: float = STALL_ZERO_VARIANCE,
+    reward_fraction: float = STALL_REWARD_FRACTION,
+    default_oracle: float = 1.0,
+) -> StallWarning | None:
+    """The span of steps that met the stall rule (STALL_RULE), or None (a healthy run).
+
+    Each window of `window` consecutive steps pools its scored groups, reward samples and oracle
+    samples; it is stalled when zero-variance groups / groups >= `zero_variance` and mean reward <
+    `reward_fraction` * mean oracle reward. The warning spans the first silent step of the first
+    stalled window to the end of the last one."""
+    flagged: list[tuple[int, int]] = []
+    for end in range(window - 1, len(steps)):
+        rows = steps[end - window + 1 : end + 1]
+        groups = sum(r.num_groups for r in rows)
+        rewards = [x for r in rows for x in step_reward(r)]
+        if not groups or not rewards:
+            continue
+        oracle_samples = [x for r in rows for x in r.oracle_samples]
+        oracle = statistics.fmean(oracle_samples) if oracle_samples else default_oracle
+        zero = sum(r.num_zero_variance_groups for r in rows) / groups
+        if zero >= zero_variance and statistics.fmean(rewards) < reward_fraction * oracle:
+            flagged.append((rows[0].step, rows[-1].step))
+    if not flagged:
+        return None
+    # the span starts at the first silent step of the first stalled window
+    first = next(
+        r.step
+        for r in steps
+        if flagged[0][0] <= r.step and r.num_groups and r.zero_variance_fraction >= zero_variance
+    )
+    last = flagged[-1][1]
+    rows = [r for r in steps if first <= r.step <= last]
+    oracle_samples = [x for r in rows for x in r.oracle_samples]
+    return StallWarning(
+        first_step=first,
+        last_step=last,
+        zero_variance_fraction=sum(r.num_zero_variance_groups for r in rows)
+        / max(1, sum(r.num_groups for r in rows)),
+        reward=statistics.fmean(x for r in rows for x in step_reward(r)),
+        oracle=statistics.fmean(oracle_samples) if oracle_samples else default_oracle,
+        oracle_reported=bool(oracle_samples),
     )
 
 
@@ -349,6 +459,7 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
         row.num_paths += int(_f(ev.get("num_paths")))
         row.num_exact_merged += int(_f(ev.get("num_exact_merged")))
         row.num_near_duplicates += int(_f(ev.get("num_near_duplicates")))
+        row.num_zero_variance_groups += _f(ev.get("reward_std")) <= ZERO_VARIANCE_STD  # proto3 JSON omits 0
     for row in steps:
         row.scored_samples = [x for x in row.scored_samples if not math.isnan(x)]
 
@@ -365,6 +476,9 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
             row = steps[min(clock.step_at(t), num_steps)]
             frac = progress_fraction(ev.get("progress"))
             row.progress_samples.append(frac if frac is not None else execution_score(ev))
+            oracle = ((ev.get("progress") or {}).get("extra") or {}).get("oracle_reward")
+            if oracle is not None:
+                row.oracle_samples.append(_f(oracle))
             group = str(ev.get("group_id") or ev.get("execution_id", ""))
             group_scores[(row.step, group)].append(execution_score(ev))
     for (step, _group), scores in sorted(group_scores.items()):
@@ -453,4 +567,5 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
         execution_context_tokens=list(exec_context.values()),
         execution_num_calls=[exec_calls[e] for e in exec_context],
         execution_generated_tokens=[exec_generated[e] for e in exec_context],
+        stall=detect_stall(steps),
     )

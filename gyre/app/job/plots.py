@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from gyre.app.job.analysis import ROLES, RunAnalysis
+from gyre.app.job.analysis import ROLES, STALL_ZERO_VARIANCE, RunAnalysis
 
 ROLE_COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "switching": "#C44E52", "idle": "#BBBBBB"}
 
@@ -23,7 +23,8 @@ def _pyplot():  # type: ignore[no-untyped-def]
 
 
 def plot_reward(a: RunAnalysis, path: Path) -> Path:
-    """Mean reward (incl. partial progress) and milestone progress per trainer step, with the 20% windows."""
+    """Mean reward (incl. partial progress), milestone progress and the oracle's reward per trainer
+    step, with the 20% windows and the stall span (if any)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.2))
     xs = [r.step for r in a.steps if r.reward_samples]
@@ -57,6 +58,11 @@ def plot_reward(a: RunAnalysis, path: Path) -> Path:
     py = [r.progress_mean for r in a.steps if r.progress_samples]
     if px:
         ax.plot(px, py, "s--", color="#55A868", ms=3, lw=1, label="milestone progress (ended executions)")
+    ox = [r.step for r in a.steps if r.oracle_samples]
+    if ox:
+        oy = [r.oracle_mean for r in a.steps if r.oracle_samples]
+        ax.plot(ox, oy, "-", color="black", lw=1.5, alpha=0.7, label="oracle policy (same tasks)")
+    _shade_stall(ax, a)
     v = a.verdict
     if v is not None:
         for (s0, s1), iv, color, name in (
@@ -76,6 +82,67 @@ def plot_reward(a: RunAnalysis, path: Path) -> Path:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _shade_stall(ax, a: RunAnalysis) -> None:  # type: ignore[no-untyped-def]
+    if a.stall is not None:
+        ax.axvspan(
+            a.stall.first_step - 0.5,
+            a.stall.last_step + 0.5,
+            color="#C44E52",
+            alpha=0.12,
+            hatch="//",
+            label="stall",
+        )
+
+
+def plot_learning_health(a: RunAnalysis, path: Path) -> Path:
+    """Per trainer step: entropy of generated tokens, KL to the behaviour policy, clip fraction and
+    the fraction of scored groups with zero reward variance, with the stall span (if any) shaded."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    series = (
+        ("entropy", "entropy of generated tokens (nats)", "#4C72B0"),
+        ("kl_behaviour", "KL(behaviour || policy) per token", "#8172B2"),
+        ("clip_fraction", "clip fraction (ratio outside the clip range)", "#DD8452"),
+    )
+    for ax, (name, title, color) in zip(axes.flat, series, strict=False):
+        xs = [r.step for r in a.steps if name in r.trainer_metrics]
+        ax.plot(
+            xs,
+            [r.trainer_metrics[name] for r in a.steps if name in r.trainer_metrics],
+            "o-",
+            ms=3,
+            color=color,
+        )
+        if not xs:
+            ax.text(
+                0.5,
+                0.5,
+                f"no '{name}' in the trainer metrics",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
+        ax.set_title(title, fontsize=9)
+    ax = axes.flat[3]
+    xs = [r.step for r in a.steps if r.num_groups]
+    ax.bar(xs, [r.zero_variance_fraction for r in a.steps if r.num_groups], color="#C44E52", alpha=0.8)
+    ax.axhline(STALL_ZERO_VARIANCE, color="black", lw=0.8, ls=":", label="stall threshold")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("groups with zero reward variance (no learning signal)", fontsize=9)
+    for ax in axes.flat:
+        _shade_stall(ax, a)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("trainer step")
+    fig.suptitle(
+        a.stall.message() if a.stall is not None else "Learning health: no stall", fontsize=8, wrap=True
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -194,6 +261,7 @@ def write_all(a: RunAnalysis, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     return {
         "reward": plot_reward(a, out_dir / "reward.png"),
+        "learning_health": plot_learning_health(a, out_dir / "learning_health.png"),
         "device_roles": plot_device_roles(a, out_dir / "device_roles.png"),
         "tree_dedup": plot_tree_and_dedup(a, out_dir / "tree_dedup.png"),
         "staleness": plot_staleness(a, out_dir / "staleness.png"),

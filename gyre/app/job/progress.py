@@ -1,8 +1,10 @@
 """Live progress of a run, driven by its events (the collector's `on_event` callbacks).
 
-`RunTracker` folds event records into the few numbers a person watches (trainer step, reward,
-device roles, tokens/s, executions); `LiveProgress` draws them with rich — bars on a terminal,
-one plain line per trainer step otherwise (CI logs stay readable).
+`RunTracker` folds event records into the few numbers a person watches (trainer step, reward and
+the oracle's, learning health — entropy, KL to the behaviour policy, clip fraction, zero-variance
+groups —, device roles, tokens/s, executions); `LiveProgress` draws them with rich — bars on a
+terminal, one plain line per trainer step otherwise (CI logs stay readable) — and prints a stall
+warning (the report's rule, `gyre.app.job.analysis.detect_stall`) once, when it first holds.
 """
 
 from __future__ import annotations
@@ -18,9 +20,19 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gyre.app.job.analysis import ROLE_NAMES, execution_score
+from gyre.app.job.analysis import (
+    ROLE_NAMES,
+    ZERO_VARIANCE_STD,
+    StallWarning,
+    StepRow,
+    detect_stall,
+    execution_score,
+)
 
 Record = dict[str, Any]
+
+
+_HEALTH = (("entropy", "entropy", 3), ("kl_behaviour", "kl", 4), ("clip_fraction", "clip", 3))
 
 
 class RunTracker:
@@ -43,6 +55,8 @@ class RunTracker:
         self.started_at = time.time()
         self.steps_done = asyncio.Event()
         self.step_versions: list[int] = []  # weight versions in arrival order (monotonicity check)
+        self.step_groups: dict[int, list[int]] = {}  # version -> [groups scored, zero-variance groups]
+        self.step_oracle: dict[int, list[float]] = {}  # version -> oracle_reward of ended executions
 
     def update(self, record: Record) -> None:
         kind, ev = record["type"], record["event"]
@@ -59,11 +73,17 @@ class RunTracker:
             r = float(ev.get("reward_mean", 0.0))
             self.rewards.append(r)
             self.step_rewards.setdefault(self.version, []).append(r)
+            counts = self.step_groups.setdefault(self.version, [0, 0])
+            counts[0] += 1
+            counts[1] += float(ev.get("reward_std", 0.0)) <= ZERO_VARIANCE_STD  # proto3 JSON omits 0
         elif kind == "ExecutionEvent":
             if ev.get("kind") == "KIND_STARTED":
                 self.executions["started"] += 1
             elif ev.get("kind"):
                 self.executions["ended"] += 1
+                oracle = ((ev.get("progress") or {}).get("extra") or {}).get("oracle_reward")
+                if oracle is not None:
+                    self.step_oracle.setdefault(self.version, []).append(float(oracle))
                 if not self.rewards:  # before any group is scored, show execution scores
                     self.step_rewards.setdefault(self.version, []).append(execution_score(ev))
         elif kind == "StepEvent":
@@ -101,6 +121,49 @@ class RunTracker:
                 return statistics.fmean(self.step_rewards[v])
         return None
 
+    def oracle_reward(self) -> float | None:
+        """Mean oracle reward of the ended executions (None: the environment reports none)."""
+        values = [x for xs in self.step_oracle.values() for x in xs]
+        return statistics.fmean(values) if values else None
+
+    def zero_variance_fraction(self) -> float | None:
+        """Share of the groups scored in the latest step that had any, whose rewards all agree."""
+        for v in sorted(self.step_groups, reverse=True):
+            groups, zero = self.step_groups[v]
+            if groups:
+                return zero / groups
+        return None
+
+    def stall(self) -> StallWarning | None:
+        """The report's stall rule over the steps seen so far (None: no stall)."""
+        rows = []
+        for v in range(self.version + 1):
+            groups, zero = self.step_groups.get(v, [0, 0])
+            rows.append(
+                StepRow(
+                    step=v,
+                    start_s=0.0,
+                    end_s=0.0,
+                    reward_samples=list(self.step_rewards.get(v, [])),
+                    num_groups=groups,
+                    num_zero_variance_groups=zero,
+                    oracle_samples=list(self.step_oracle.get(v, [])),
+                )
+            )
+        return detect_stall(rows)
+
+    def health(self) -> str:
+        """entropy / KL / clip fraction of the last trainer step, zero-variance groups, oracle reward."""
+        m = self.last_metrics
+        parts = [f"{label} {m[name]:.{digits}f}" for name, label, digits in _HEALTH if name in m]
+        zero = self.zero_variance_fraction()
+        if zero is not None:
+            parts.append(f"zero-var groups {zero:.0%}")
+        oracle = self.oracle_reward()
+        if oracle is not None:
+            parts.append(f"oracle {oracle:.3f}")
+        return "  ".join(parts)
+
     def role_summary(self) -> str:
         counts: dict[str, int] = {}
         for role in self.roles.values():
@@ -115,6 +178,7 @@ class RunTracker:
         return (
             f"step {self.version}/{self.target_steps}  reward {reward}  "
             f"{'loss ' + format(loss, '.4f') + '  ' if loss is not None else ''}"
+            f"{self.health() + '  ' if self.health() else ''}"
             f"devices {self.role_summary()}  tokens/s {self.tokens_per_s():.0f}  "
             f"executions {self.executions['ended']}/{self.executions['started']}  batches {self.num_batches}"
         )
@@ -137,6 +201,8 @@ class LiveProgress:
         self._task = self._progress.add_task("steps", total=tracker.target_steps)
         self._live: Live | None = None
         self._printed_version = -1
+        self.stall_warned = False
+        self._checked_version = -1
 
     def _table(self) -> Table:
         t = self.tracker
@@ -158,6 +224,10 @@ class LiveProgress:
         )
         loss = t.last_metrics.get("loss")
         table.add_row("batches", str(t.num_batches), "loss", f"{loss:.4f}" if loss is not None else "n/a")
+        oracle = t.oracle_reward()
+        table.add_row(
+            "learning", t.health() or "n/a", "oracle", f"{oracle:.3f}" if oracle is not None else "n/a"
+        )
         return table
 
     def __enter__(self) -> LiveProgress:
@@ -177,6 +247,12 @@ class LiveProgress:
         elif self.tracker.version != self._printed_version:
             self._printed_version = self.tracker.version
             self.console.print(self.tracker.line(), highlight=False, soft_wrap=True)
+        if not self.stall_warned and self.tracker.version != self._checked_version:
+            self._checked_version = self.tracker.version
+            stall = self.tracker.stall()
+            if stall is not None:  # said once, in both modes (the report repeats it)
+                self.stall_warned = True
+                self.console.print(stall.message(), style="bold red", highlight=False, soft_wrap=True)
 
     async def run(self, interval_s: float = 0.5) -> None:
         """Refresh every `interval_s` until cancelled."""

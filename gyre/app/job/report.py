@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from gyre.app.job import plots
-from gyre.app.job.analysis import LEARNED_RULE, Interval, RunAnalysis, analyse
+from gyre.app.job.analysis import LEARNED_RULE, STALL_RULE, Interval, RunAnalysis, analyse
 from gyre.app.job.eventlog import EVENT_LOG_NAME, read_events
 
 REPORT_NAME = "report.md"
@@ -137,9 +137,72 @@ def summary_of(a: RunAnalysis, extra: dict[str, Any] | None = None) -> dict[str,
     else:
         out.update(reward_first20=None, reward_last20=None, reward_delta=None, learned=False)
     out["learned_rule"] = LEARNED_RULE
+    out.update(learning_health_summary(a))
     if extra:
         out.update(extra)
     return out
+
+
+def learning_health_summary(a: RunAnalysis) -> dict[str, Any]:
+    """Oracle reward, the last window's share of it, trainer health means and the stall (or None)."""
+    oracle = [x for r in a.steps for x in r.oracle_samples]
+    out: dict[str, Any] = {"oracle_reward": _num(sum(oracle) / len(oracle)) if oracle else None}
+    v = a.verdict
+    if v is not None:
+        l0, l1 = v.last_steps
+        last_oracle = [x for r in a.steps if l0 <= r.step <= l1 for x in r.oracle_samples]
+        if last_oracle and math.isfinite(v.last20.mean):
+            out["reward_last20_of_oracle"] = v.last20.mean / (sum(last_oracle) / len(last_oracle))
+    groups = sum(r.num_groups for r in a.steps)
+    out["zero_variance_group_fraction"] = (
+        sum(r.num_zero_variance_groups for r in a.steps) / groups if groups else None
+    )
+    for name in ("entropy", "kl_behaviour", "clip_fraction"):
+        out[f"trainer_{name}_mean"] = _num(_mean_metric(a, name))
+    st = a.stall
+    out["stall"] = (
+        None
+        if st is None
+        else {
+            "first_step": st.first_step,
+            "last_step": st.last_step,
+            "zero_variance_fraction": st.zero_variance_fraction,
+            "reward": st.reward,
+            "oracle": st.oracle,
+            "message": st.message(),
+        }
+    )
+    out["stall_rule"] = STALL_RULE
+    return out
+
+
+def learning_health_markdown(a: RunAnalysis, rel: dict[str, str]) -> list[str]:
+    """report.md's learning-health section: why the run learns, or why it stopped."""
+    lines = [
+        "## Learning health",
+        "",
+        f"![learning health]({rel['learning_health']})",
+        "",
+        f"**{a.stall.message()}**" if a.stall is not None else "No stall.",
+        "",
+        f"Rule: {STALL_RULE}. Entropy (nats) is that of the policy at the generated tokens; KL is the k3 "
+        "estimate of KL(behaviour || policy) over the trained tokens (how far the weights moved since the "
+        "tokens were sampled); clip fraction is the share of trained tokens whose importance ratio lies "
+        "outside the clip range; the oracle is the reward a perfect policy gets on the same tasks (the "
+        "environment's own number).",
+        "",
+        "| step | reward | oracle | zero-variance groups | entropy | KL to behaviour | clip fraction |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in a.steps:
+        m = r.trainer_metrics
+        lines.append(
+            f"| {r.step} | {_fmt(r.reward_mean, 3)} | {_fmt(r.oracle_mean, 3)} | "
+            f"{_fmt(r.zero_variance_fraction)} ({r.num_zero_variance_groups}/{r.num_groups}) | "
+            f"{_fmt(m.get('entropy', math.nan), 3)} | {_fmt(m.get('kl_behaviour', math.nan), 4)} | "
+            f"{_fmt(m.get('clip_fraction', math.nan), 3)} |"
+        )
+    return [*lines, ""]
 
 
 def headline(a: RunAnalysis, incomplete: str | None = None) -> list[str]:
@@ -155,11 +218,17 @@ def headline(a: RunAnalysis, incomplete: str | None = None) -> list[str]:
         ]
     if v is None:
         return ["reward_first20: n/a (fewer than 2 trainer steps)", "reward_last20: n/a", "learned: no"]
-    return [
+    lines = [
         f"reward_first20: {v.first20.fmt()}  (steps {v.first_steps[0]}-{v.first_steps[1]}, 95% bootstrap CI)",
         f"reward_last20:  {v.last20.fmt()}  (steps {v.last_steps[0]}-{v.last_steps[1]}, 95% bootstrap CI)",
         f"improvement:    {v.delta.fmt()}  -> learned: {'yes' if v.learned else 'no'}",
     ]
+    share = learning_health_summary(a).get("reward_last20_of_oracle")
+    if share is not None:
+        lines.append(f"reward_last20 / oracle: {share:.1%}")
+    if a.stall is not None:  # a stall is said in the run's output, not only in report.md
+        lines.append(a.stall.message())
+    return lines
 
 
 def _fmt(x: float, digits: int = 2) -> str:
@@ -223,8 +292,8 @@ def render_markdown(
             f"{_fmt(r.tree_token_ratio)} | {r.num_exact_merged} | {r.num_near_duplicates} | {r.num_batches} |"
         )
     total_dev = sum(a.device_time_s.values()) or 1.0
+    lines += ["", *learning_health_markdown(a, rel)]
     lines += [
-        "",
         "## Devices",
         "",
         f"![device roles]({rel['device_roles']})",

@@ -10,7 +10,8 @@ policy finishes (`done`, reward 1.0); otherwise it is `truncated` with partial p
 
 Horizons are heavy-tailed (Pareto, clipped to [min_turns, max_turns]): most tasks take a few
 turns, a few take hundreds. Milestones split the path evenly (`num_milestones`, at most one per
-position); reward = fraction of milestones reached. Observations are 4 tokens per turn under the
+position); reward = fraction of milestones reached. `oracle_reward` (in every progress signal's `extra`) is
+what a perfect policy gets on the task, by the same rules. Observations are 4 tokens per turn under the
 byte chat template (`<user> X <eos> <assistant>`), so a CPU run stays fast.
 """
 
@@ -77,6 +78,41 @@ def generate_task(spec: LongHorizonSpec, index: int) -> LongHorizonTask:
     return LongHorizonTask(task_id=f"lh-{index:05d}", cues=cues)
 
 
+FINISHED_REWARD = 1.0
+
+
+def transition(
+    task: LongHorizonTask, position: int, turns: int, chosen: int | None, num_actions: int
+) -> tuple[int, int]:
+    """The rule of one turn: (position, turns) after the agent chose `chosen` at `position`."""
+    if chosen == correct_action(task.cues[position], num_actions):
+        position += 1
+    return position, turns + 1
+
+
+def is_over(task: LongHorizonTask, position: int, turns: int) -> tuple[bool, bool]:
+    """(done, truncated): done when the path is finished, truncated when the turn budget is spent."""
+    done = position >= task.horizon
+    return done, not done and turns >= task.horizon
+
+
+def oracle_reward(spec: LongHorizonSpec, task: LongHorizonTask) -> float:
+    """The reward a perfect policy gets on `task`: it plays `correct_action` at every cue under the
+    same rules (`transition`, `is_over`) as an agent. Reported as `progress.extra["oracle_reward"]`,
+    so a run shows how far its policy is from the optimum (1.0 on every task of this family)."""
+    position, turns = 0, 0
+    while True:
+        done, truncated = is_over(task, position, turns)
+        if done:
+            return FINISHED_REWARD
+        if truncated:
+            return (position * min(spec.num_milestones, task.horizon) // task.horizon) / min(
+                spec.num_milestones, task.horizon
+            )
+        action = correct_action(task.cues[position], spec.num_actions)
+        position, turns = transition(task, position, turns, action, spec.num_actions)
+
+
 class LongHorizonEnv(Environment):
     name = "longhorizon"
 
@@ -85,6 +121,7 @@ class LongHorizonEnv(Environment):
         self.position = 0
         self.turns = 0
         self.num_milestones = min(spec.num_milestones, task.horizon)
+        self.oracle_reward = oracle_reward(spec, task)
 
     def _cue_message(self) -> dict[str, Any]:
         return {"role": "user", "content": chr(ord("A") + self.task.cues[self.position])}
@@ -103,18 +140,20 @@ class LongHorizonEnv(Environment):
                 "position": float(self.position),
                 "horizon": float(self.task.horizon),
                 "turns": float(self.turns),
+                "oracle_reward": self.oracle_reward,
             },
         )
 
     async def step(self, action: Action) -> StepResult:
-        self.turns += 1
         chosen = parse_action(action.token_ids, self.spec.num_actions)
-        if chosen == correct_action(self.task.cues[self.position], self.spec.num_actions):
-            self.position += 1
+        self.position, self.turns = transition(
+            self.task, self.position, self.turns, chosen, self.spec.num_actions
+        )
         progress = self.progress
-        if self.position >= self.task.horizon:
-            return StepResult([], progress, done=True, reward=1.0)
-        if self.turns >= self.task.horizon:
+        done, truncated = is_over(self.task, self.position, self.turns)
+        if done:
+            return StepResult([], progress, done=True, reward=FINISHED_REWARD)
+        if truncated:
             return StepResult([], progress, truncated=True)
         return StepResult([self._cue_message()], progress)
 
