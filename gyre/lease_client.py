@@ -18,7 +18,9 @@ The role-specific part is a `DeviceUser` (start/stop an engine; grow/shrink data
 Guarantees
 - Fencing: the client remembers the newest epoch seen per device. A lease with an older epoch is
   stale: ignored and counted (`num_stale`). Release/Acquire carry the lease's own epoch, so the
-  scheduler refuses an outdated action (FAILED_PRECONDITION) even when the client could not tell.
+  scheduler refuses an outdated action (FAILED_PRECONDITION) even when the client could not tell;
+  the epoch of a refused action is not remembered, so a never-issued epoch cannot fence out the
+  real ones.
 - Never a redelivery loop: a lease naming another worker (`num_other_worker`), an unknown device
   (`num_unknown_device`), or an action the scheduler refuses — stale or never-issued epoch,
   unknown device, scheduler unreachable (`num_refused`) — is counted and logged, never raised
@@ -154,6 +156,7 @@ class LeaseClient:
             if lease.epoch < self.epochs.get(device, 0):
                 self.num_stale += 1
                 return LeaseAction.NONE
+            seen = self.epochs.get(device)
             self.epochs[device] = lease.epoch
             since = self.using_since.get(device) if self.user.using(device) else None
             action = decide(lease, self.worker_id, self.role, since)
@@ -161,6 +164,10 @@ class LeaseClient:
                 await self._act(action, lease)
             except grpc.aio.AioRpcError as exc:
                 self.num_refused += 1
+                if seen is None:  # an epoch the scheduler refused is not remembered (never issued?)
+                    self.epochs.pop(device, None)
+                else:
+                    self.epochs[device] = seen
                 log.info(
                     "%s of %s at epoch %d refused by the scheduler (%s: %s); a newer lease follows",
                     action,

@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ import yaml
 
 from gyre import rpc
 from gyre.bus import Bus, subjects
+from gyre.lease_client import LeaseAction, LeaseClient
 from gyre.v1 import common_pb2, events_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -218,3 +220,148 @@ async def wait_for_event(
                 if ev.kind == kind:
                     return ev
             await asyncio.sleep(0.05)
+
+
+class RecordingDevices:
+    """The role-specific edge of a worker (engines / data-parallel ranks), reduced to a record of
+    which device is in use by whom; `shared` is the same dict for every worker of the test, so a
+    device used by two workers at once is caught the moment it happens."""
+
+    def __init__(self, worker_id: str, known: set[str], shared: dict[str, str]) -> None:
+        self.worker_id, self.known, self.shared = worker_id, known, shared
+        self.mine: set[str] = set()
+        self.double_use: list[str] = []
+
+    def knows(self, device_id: str) -> bool:
+        return device_id in self.known
+
+    def using(self, device_id: str) -> bool:
+        return device_id in self.mine
+
+    async def start_using(self, device_id: str) -> None:
+        if self.shared.get(device_id, self.worker_id) != self.worker_id:
+            self.double_use.append(device_id)
+        self.shared[device_id] = self.worker_id
+        self.mine.add(device_id)
+
+    async def stop_using(self, device_id: str) -> None:
+        self.mine.discard(device_id)
+        if self.shared.get(device_id) == self.worker_id:
+            del self.shared[device_id]
+
+
+async def wait_until(predicate: Any, timeout_s: float = 30) -> None:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if predicate():
+                return
+            await asyncio.sleep(0.05)
+
+
+async def test_lease_clients_move_a_device_both_ways_and_count_what_they_ignore(
+    nats_url: str, database_url: str, run_dir: Path
+) -> None:
+    run_id = "leaseclient"
+    config = run_dir / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run_id": run_id,
+                "run_dir": str(run_dir),
+                "nats_url": nats_url,
+                "database_url": database_url,
+                "scheduler": {"policy": "elastic", "plan_interval_s": 0.2, "heartbeat_interval_s": 0.5},
+            }
+        )
+    )
+    devices = {"gpu0-0", "gpu0-1"}
+    shared: dict[str, str] = {}
+    loads = {
+        "rollout-0": scheduler_pb2.WorkerLoad(live_executions=1, engine_capacity=4),
+        "trainer-0": scheduler_pb2.WorkerLoad(trainer_backlog_batches=1, trainer_step_in_progress=True),
+    }
+    bus = await Bus.connect(nats_url, name="lease-client-test")
+    await bus.ensure_streams()
+    scheduler = SchedulerProcess(config)
+    await scheduler.start()
+    tasks: list[asyncio.Task[Any]] = []
+    consumers: list[Any] = []
+    try:
+        async with stub(scheduler.port) as s:
+            users, clients = {}, {}
+            for worker, service, brings in (
+                ("trainer-0", "trainer", []),
+                ("rollout-0", "rollout", sorted(devices)),
+            ):
+                users[worker] = RecordingDevices(worker, devices, shared)
+                clients[worker] = LeaseClient(
+                    worker,
+                    service,
+                    s,
+                    users[worker],
+                    lambda w=worker: loads[w],
+                    devices=[
+                        common_pb2.Device(device_id=d, node="gpu0", index=i) for i, d in enumerate(brings)
+                    ],
+                )
+                await clients[worker].register()
+                consumers.append(
+                    await bus.consume(
+                        subjects.leases(run_id, "*"),
+                        events_pb2.LeaseEvent,
+                        clients[worker].on_events,
+                        durable=f"test-{worker}",
+                    )
+                )
+                tasks.append(asyncio.create_task(clients[worker].heartbeat_forever()))
+                tasks.append(asyncio.create_task(clients[worker].report_load_forever(0.2)))
+            rollout, trainer = users["rollout-0"], users["trainer-0"]
+
+            # the trainer has work and one live execution fits on one device: one device is lent
+            await wait_until(lambda: len(trainer.mine) == 1 and len(rollout.mine) == 1)
+            lent = next(iter(trainer.mine))
+            # executions wait again and the trainer has nothing to do: the device comes back
+            loads["rollout-0"] = scheduler_pb2.WorkerLoad(live_executions=8, engine_capacity=4)
+            loads["trainer-0"] = scheduler_pb2.WorkerLoad()
+            await wait_until(lambda: rollout.mine == devices and not trainer.mine)
+            assert rollout.double_use == trainer.double_use == []
+            assert clients["trainer-0"].num_acquired == 1 and clients["trainer-0"].num_released == 1
+
+            # leases a worker must not act on are ignored and counted, never raised
+            pool = await s.GetPool(scheduler_pb2.GetPoolRequest())
+            lease = next(x for x in pool.leases if x.device_id == lent)
+            t = clients["trainer-0"]
+            before = t.counters()
+            forged = common_pb2.Lease()
+            forged.CopyFrom(lease)
+            forged.state, forged.holder = common_pb2.LEASE_STATE_GRANTED, ""
+            forged.target_holder, forged.target_role = "trainer-0", common_pb2.DEVICE_ROLE_TRAIN
+            forged.epoch = lease.epoch + 5  # never issued: the scheduler refuses the Acquire
+            assert await t.apply(forged) is LeaseAction.NONE
+            assert t.epochs[lent] == lease.epoch  # a refused epoch does not fence out the real ones
+            unknown = common_pb2.Lease()
+            unknown.CopyFrom(forged)
+            unknown.device_id = "gpu9-0"
+            assert await t.apply(unknown) is LeaseAction.NONE
+            stale = common_pb2.Lease()
+            stale.CopyFrom(forged)
+            stale.epoch = 1
+            assert await t.apply(stale) is LeaseAction.NONE
+            other = common_pb2.Lease()
+            other.CopyFrom(lease)  # held by rollout-0: nothing for the trainer to do
+            assert await t.apply(other) is LeaseAction.NONE
+            after = t.counters()
+            assert after["refused_by_scheduler"] == before["refused_by_scheduler"] + 1
+            assert after["ignored_unknown_device"] == before["ignored_unknown_device"] + 1
+            assert after["ignored_stale_epoch"] == before["ignored_stale_epoch"] + 1
+            assert after["ignored_other_worker"] >= before["ignored_other_worker"] + 1
+            assert not trainer.mine and rollout.mine == devices  # nothing moved
+            pool = await s.GetPool(scheduler_pb2.GetPoolRequest())
+            assert sorted(x.holder for x in pool.leases) == ["rollout-0", "rollout-0"]
+    finally:
+        for task in tasks:
+            task.cancel()
+        for consumer in consumers:
+            await consumer.stop()
+        await scheduler.stop()
+        await bus.close()
