@@ -11,6 +11,7 @@ id is never pulled again, so a restart that replays its journal cannot replay it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -32,6 +33,8 @@ log = logging.getLogger("gyre.trainer.data")
 QUARANTINED = Counter("gyre_trainer_batches_quarantined_total", "Batches the trainer refused to train")
 # trained_at_version of an AckBatch that drops the batch (trajectory.proto).
 DROPPED = -1
+# Seconds a PullBatch is retried while the trajectory service is unavailable (e.g. being restarted).
+UNAVAILABLE_RETRY_S = 60.0
 
 
 class BatchSource(Protocol):
@@ -122,16 +125,27 @@ class TrajectoryBatchSource:
             consumer=self.consumer,
             current_version=current_version,
         )
-        chunks = []
-        try:
-            async for chunk in self.stub.PullBatch(req):
-                chunks.append(chunk)
-                if chunk.last:
-                    break
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise Unavailable(f"trajectory service: {exc.details()}") from exc
-            raise
+        # The trajectory service may be restarting (supervised): the same request is retried with
+        # backoff for up to UNAVAILABLE_RETRY_S before the error takes the trainer down.
+        deadline, delay_s = time.monotonic() + UNAVAILABLE_RETRY_S, 0.5
+        while True:
+            chunks = []
+            try:
+                async for chunk in self.stub.PullBatch(req):
+                    chunks.append(chunk)
+                    if chunk.last:
+                        break
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"trajectory service: {exc.details()}") from exc
+                log.warning(
+                    "trajectory unavailable (%s); retrying PullBatch in %.1f s", exc.details(), delay_s
+                )
+                await asyncio.sleep(delay_s)
+                delay_s = min(5.0, delay_s * 2)
         if not chunks:
             return None
         batch_id = chunks[0].batch_id
