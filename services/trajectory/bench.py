@@ -4,16 +4,19 @@ Workload (services/trajectory/workload.py): groups of executions over a task pro
 agent loop with compaction, retries, identical early turns and some exact / near duplicates.
 Printed (one JSON object on stdout; progress on stderr):
 
-- flat_tokens: every LLM call its own sample; interleaved_tokens: calls merged while the history
-  extends as a prefix, a new sample at each break; tree_tokens: tokens stored in the task trees.
-- tree_token_ratio = flat / tree; interleaved_token_ratio = interleaved / tree.
+- flat_tokens: every LLM call its own sample; interleaved_tokens: prefix merging (calls merged
+  while the history extends as a prefix, a new sample at each break, as other frameworks train);
+  tree_tokens: tokens stored in the task trees.
+- headline_token_ratio_vs_prefix_merging = interleaved_token_ratio = interleaved / tree: what
+  trees save over the realistic alternative; tree_token_ratio = flat / tree is shown beside it.
 - dedup_merged_paths / near_duplicate_paths: exact merges and near-duplicate down-weights.
 - reconstruct_tokens_per_s: flat tokens inserted into trees and exported back per second.
 - lossless: every call of every execution (and of the xlong one) exported exactly.
-- ingest_steps_per_s: steps published on real NATS until committed in real Postgres by the real
-  service (embedded servers started here), with compact prompts (each step names the previous call
-  as its base and carries only new tokens); ingest_full_prompt_steps_per_s: the same with every
-  prompt sent in full.
+- ingest_full_prompt_steps_per_s: steps published on real NATS by another process (as the rollout
+  sends them: every prompt in full) until committed in real Postgres by the real service (embedded
+  servers started here); median of --repeats runs, with _min and _max beside.
+  ingest_steps_per_s: the same with compact prompts (each step names the previous call as its
+  base and carries only new tokens).
 - xlong_reconstruct_s: one execution of 300 calls and ~700K distinct tokens inserted and exported.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -56,25 +60,47 @@ def _trees_and_roundtrip(execs: list[Any]) -> tuple[dict[str, Any], float, bool]
     return trees, seconds, lossless
 
 
-async def _ingest(execs: list[Any], progress: Any, *, compact: bool) -> float:
-    """Publish every step on NATS, return steps/s until all are committed by the service.
+def _bench_steps(groups: int, group_size: int, seed: int, *, compact: bool) -> list[Any]:
+    from services.trajectory.workload import WorkloadConfig, compact_step_events, generate, step_event
 
+    execs = generate(WorkloadConfig(num_groups=groups, group_size=group_size, seed=seed))
+    if compact:
+        return [s for ex in execs for s in compact_step_events("bench", ex.calls)]
+    return [step_event("bench", c) for ex in execs for c in ex.calls]
+
+
+async def _publish(nats_url: str, groups: int, group_size: int, seed: int, compact: bool) -> None:
+    """The publishing side, run in its own process as the rollout is: waits for a line on stdin,
+    then publishes every step (asynchronously acknowledged, as the rollout's StepPublisher does)."""
+    from gyre.bus import Bus, subjects
+
+    steps = _bench_steps(groups, group_size, seed, compact=compact)
+    bus = await Bus.connect(nats_url, name="trajectory-bench-publisher")
+    publisher = bus.publisher(max_pending=2_000)
+    print(len(steps), flush=True)
+    await asyncio.to_thread(sys.stdin.readline)
+    for s in steps:
+        await publisher.publish(subjects.steps("bench", s.task_id), s, msg_id=s.event_id)
+    await publisher.flush()
+    await bus.close()
+
+
+async def _ingest(args: argparse.Namespace, progress: Any, *, compact: bool) -> float:
+    """Steps/s from the first publish until every step is committed by the real service.
+
+    The steps are published on real NATS by another process (as the rollout publishes them) and
+    consumed by the real TrajectoryService into real Postgres (embedded servers started here).
     ``compact``: steps name their previous call as prompt base and carry only the new tokens
     (StepEvent.prompt_base_call_seq); otherwise every step carries its full prompt.
     """
     from gyre import rpc, store
-    from gyre.bus import Bus, subjects
+    from gyre.bus import Bus
     from gyre.config import CommonConfig
     from gyre.embedded import EmbeddedNats, EmbeddedPostgres
     from gyre.service import Runtime
     from services.trajectory.config import TrajectoryConfig
     from services.trajectory.service import TrajectoryService
-    from services.trajectory.workload import compact_step_events, step_event
 
-    if compact:
-        steps = [s for ex in execs for s in compact_step_events("bench", ex.calls)]
-    else:
-        steps = [step_event("bench", c) for ex in execs for c in ex.calls]
     with tempfile.TemporaryDirectory() as tmp:
         with (
             EmbeddedNats(Path(tmp) / "nats") as nats,
@@ -94,25 +120,33 @@ async def _ingest(execs: list[Any], progress: Any, *, compact: bool) -> float:
             service = TrajectoryService(common, cfg)
             await service.start(Runtime(common=common, bus=bus, engine=engine, server=server, port=port))
             assert service.core is not None
+            code = (
+                "import asyncio, sys; from services.trajectory.bench import _publish; "
+                f"asyncio.run(_publish({nats.url!r}, {args.groups}, {args.group_size}, {args.seed}, {compact}))"
+            )
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", code, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+            )
+            assert proc.stdin is not None and proc.stdout is not None
+            num_steps = int(await proc.stdout.readline())
             label = "compact" if compact else "full prompts"
-            task = progress.add_task(f"ingest {label} (NATS -> Postgres)", total=len(steps))
-            pub_bus = await Bus.connect(nats.url, name="trajectory-bench-publisher")
-            publisher = pub_bus.publisher(max_pending=2_000)
+            task = progress.add_task(f"ingest {label} (NATS -> Postgres)", total=num_steps)
             t0 = time.perf_counter()
-            for s in steps:
-                await publisher.publish(subjects.steps("bench", s.task_id), s, msg_id=s.event_id)
-            await publisher.flush()
-            while (stored := service.core.counters["steps_stored"]) < len(steps):
+            proc.stdin.write(b"go\n")
+            await proc.stdin.drain()
+            while (stored := service.core.counters["steps_stored"]) < num_steps:
+                if proc.returncode not in (None, 0):
+                    raise RuntimeError(f"the publishing process failed (exit {proc.returncode})")
                 progress.update(task, completed=stored)
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.01)
             seconds = time.perf_counter() - t0
-            progress.update(task, completed=len(steps))
+            progress.update(task, completed=num_steps)
+            await proc.wait()
             await service.stop()
-            await pub_bus.close()
             await bus.close()
             await server.stop(0)
             engine.dispose()
-    return len(steps) / seconds
+    return num_steps / seconds
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -183,13 +217,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             xlong_reconstruct_s=round(xseconds, 3),
         )
         if not args.no_ingest:
-            out["ingest_steps_per_s"] = round(asyncio.run(_ingest(execs, progress, compact=True)), 1)
-            out["ingest_full_prompt_steps_per_s"] = round(
-                asyncio.run(_ingest(execs, progress, compact=False)), 1
-            )
+            for key, compact in (("ingest_steps_per_s", True), ("ingest_full_prompt_steps_per_s", False)):
+                rates = [asyncio.run(_ingest(args, progress, compact=compact)) for _ in range(args.repeats)]
+                out[key] = round(statistics.median(rates), 1)
+                out[f"{key}_min"], out[f"{key}_max"] = round(min(rates), 1), round(max(rates), 1)
+    # The headline: tree tokens against prefix merging (what other frameworks do), not against
+    # every call as its own sample (tree_token_ratio, shown beside it).
+    out["headline_token_ratio_vs_prefix_merging"] = out["interleaved_token_ratio"]
     out["goals"] = {
-        "tree_token_ratio>=6": out["tree_token_ratio"] >= 6,
         "interleaved_token_ratio>1": out["interleaved_token_ratio"] > 1,
+        "ingest_full_prompt_steps_per_s>=2000": out.get("ingest_full_prompt_steps_per_s", 0) >= 2000,
         "ingest_steps_per_s>=2000": out.get("ingest_steps_per_s", 0) >= 2000,
         "xlong_reconstruct_s<2": out["xlong_reconstruct_s"] < 2,
     }
@@ -210,6 +247,12 @@ def main(argv: list[str]) -> int:
         "--no-ingest", action="store_true", help="skip the NATS -> Postgres ingest measurement"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="ingest runs per mode; the median is reported, min and max beside",
+    )
     args = parser.parse_args(argv)
     out = run(args)
     print(json.dumps(out))
