@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
+from urllib.parse import quote
 
 from gyre.errors import Unavailable
 
@@ -356,7 +357,11 @@ class EmbeddedPostgres(_ChildProcess):
     `durable=False` turns off fsync and synchronous commit: faster, for tests and throwaway runs;
     `keep_data=False` deletes the cluster at stop(). Run as root, Postgres runs as the OS user
     `gyre_postgres` with its cluster under $TMPDIR/gyre-postgres/ (`data_dir/pgdata` links to it).
-    Authentication is `trust` on 127.0.0.1 only (superuser `postgres`).
+    Authentication is scram-sha-256 on 127.0.0.1 only: the superuser `postgres` has a generated
+    password, kept in `data_dir/superuser.password` (mode 0600) so a restart of the same run reuses
+    it; the URLs returned carry it. A cluster created by an older Gyre with `trust` is given the
+    password and switched to scram-sha-256 at its next start. Services get their own roles
+    (gyre.store.roles), never this superuser.
     """
 
     def __init__(
@@ -372,6 +377,21 @@ class EmbeddedPostgres(_ChildProcess):
         self.port: int | None = None
         self.url: str | None = None
         self._restart_port: int | None = None  # set by restart(): start on this port, not a free one
+        self.password = self._superuser_password()
+
+    def _superuser_password(self) -> str:
+        """The superuser's password: read from data_dir/superuser.password, or generated there (0600)."""
+        import secrets
+
+        path = self.data_dir / "superuser.password"
+        if path.is_file():
+            return path.read_text().strip()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        password = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+        return password
 
     def start(self, timeout_s: float = 60.0) -> str:
         """Init the cluster if needed, start it, create `database`; return its SQLAlchemy URL."""
@@ -391,20 +411,31 @@ class EmbeddedPostgres(_ChildProcess):
             pgdata.mkdir(mode=0o700, exist_ok=True)
             if user is not None:
                 os.chown(pgdata, user.pw_uid, user.pw_gid)
-            self._run_as(
-                user,
-                [
-                    str(bin_dir / "initdb"),
-                    "-D",
-                    str(pgdata),
-                    "-U",
-                    "postgres",
-                    "--auth=trust",
-                    "-E",
-                    "UTF8",
-                    "--no-sync",
-                ],
-            )
+            # initdb reads the password from a file the Postgres OS user can read; it is removed after.
+            pw_dir = Path(tempfile.mkdtemp(prefix="gyre-pw-"))
+            try:
+                pw_file = pw_dir / "pw"
+                pw_file.write_text(self.password + "\n")
+                if user is not None:
+                    os.chown(pw_dir, user.pw_uid, user.pw_gid)
+                    os.chown(pw_file, user.pw_uid, user.pw_gid)
+                self._run_as(
+                    user,
+                    [
+                        str(bin_dir / "initdb"),
+                        "-D",
+                        str(pgdata),
+                        "-U",
+                        "postgres",
+                        "--auth=scram-sha-256",
+                        f"--pwfile={pw_file}",
+                        "-E",
+                        "UTF8",
+                        "--no-sync",
+                    ],
+                )
+            finally:
+                shutil.rmtree(pw_dir, ignore_errors=True)
         log_path = self.data_dir / "postgres.log"
         if user is not None and not log_path.exists():
             log_path.touch()
@@ -436,6 +467,7 @@ class EmbeddedPostgres(_ChildProcess):
                 raise Unavailable(f"postgres did not restart on port {self._restart_port}; see {log_path}")
         else:
             raise Unavailable(f"postgres did not start; see {log_path}")
+        self._require_passwords(pgdata)
         self.url = self.create_database(self.database)
         log.info("embedded postgres at 127.0.0.1:%d (data %s)", self.port, pgdata)
         return self.url
@@ -453,18 +485,52 @@ class EmbeddedPostgres(_ChildProcess):
         while time.monotonic() < deadline and not self._exited():
             try:
                 with psycopg.connect(
-                    host="127.0.0.1", port=port, user="postgres", dbname="postgres", connect_timeout=2
+                    host="127.0.0.1",
+                    port=port,
+                    user="postgres",
+                    password=self.password,
+                    dbname="postgres",
+                    connect_timeout=2,
                 ):
                     return True
             except psycopg.OperationalError:
                 time.sleep(0.1)
         return False
 
-    def url_of(self, database: str) -> str:
-        """SQLAlchemy URL of `database` on this server."""
+    def _require_passwords(self, pgdata: Path) -> None:
+        """A cluster initialised with `trust` (older Gyre) gets the superuser password and
+        scram-sha-256 in pg_hba.conf, then reloads; a cluster that already requires it is untouched."""
+        import psycopg
+        from psycopg import sql
+
+        hba = pgdata / "pg_hba.conf"
+        lines = hba.read_text().splitlines()
+        if not any(
+            line.split()[-1:] == ["trust"] for line in lines if line.strip() and not line.startswith("#")
+        ):
+            return
+        assert self.port is not None
+        with psycopg.connect(
+            host="127.0.0.1", port=self.port, user="postgres", dbname="postgres", autocommit=True
+        ) as conn:
+            conn.execute(sql.SQL("ALTER ROLE postgres PASSWORD {}").format(sql.Literal(self.password)))
+            fixed = [
+                line[: line.rindex("trust")] + "scram-sha-256"
+                if line.strip() and not line.startswith("#") and line.split()[-1] == "trust"
+                else line
+                for line in lines
+            ]
+            hba.write_text("\n".join(fixed) + "\n")
+            conn.execute("SELECT pg_reload_conf()")
+        log.info("embedded postgres: switched a trust cluster to password authentication")
+
+    def url_of(self, database: str, *, user: str = "postgres", password: str | None = None) -> str:
+        """SQLAlchemy URL of `database` on this server, as `user` (default the superuser, with its password)."""
         if self.port is None:
             raise Unavailable("embedded postgres is not running; call start() first")
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+        secret = self.password if password is None and user == "postgres" else password
+        auth = f"{quote(user, safe='')}:{quote(secret, safe='')}" if secret else quote(user, safe="")
+        return f"postgresql+psycopg://{auth}@127.0.0.1:{self.port}/{database}"
 
     def create_database(self, database: str) -> str:
         """Create `database` unless it exists; return its SQLAlchemy URL."""
@@ -474,7 +540,12 @@ class EmbeddedPostgres(_ChildProcess):
         if self.port is None:
             raise Unavailable("embedded postgres is not running; call start() first")
         with psycopg.connect(
-            host="127.0.0.1", port=self.port, user="postgres", dbname="postgres", autocommit=True
+            host="127.0.0.1",
+            port=self.port,
+            user="postgres",
+            password=self.password,
+            dbname="postgres",
+            autocommit=True,
         ) as conn:
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone()
             if not exists:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 SERVICES = ("scheduler", "rollout", "trajectory", "trainer")
@@ -24,8 +25,11 @@ def migrations_dir(service: str) -> Path | None:
     return path if (path / "env.py").is_file() else None
 
 
-def upgrade_all(url: str, services: tuple[str, ...] = SERVICES) -> list[str]:
-    """Upgrade each named service to head; returns the services that had migrations."""
+def upgrade_all(
+    url: str, services: tuple[str, ...] = SERVICES, *, urls: Mapping[str, str] | None = None
+) -> list[str]:
+    """Upgrade each named service to head; returns the services that had migrations. A service in
+    `urls` is migrated with its own URL (its own role, which then owns its tables; gyre.store.roles)."""
     from gyre.store import upgrade
 
     done = []
@@ -37,7 +41,7 @@ def upgrade_all(url: str, services: tuple[str, ...] = SERVICES) -> list[str]:
                 file=sys.stderr,
             )
             continue
-        upgrade(url, path, f"alembic_version_{name}")
+        upgrade((urls or {}).get(name, url), path, f"alembic_version_{name}")
         done.append(name)
     return done
 

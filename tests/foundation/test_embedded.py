@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from gyre.embedded import EmbeddedNats, EmbeddedPostgres
 
@@ -45,14 +46,18 @@ def test_embedded_postgres_keeps_data_across_restarts_and_leaves_no_process(tmp_
     data_dir = tmp_path / "pg"
     with EmbeddedPostgres(data_dir, database="keep", durable=False) as server:
         assert server.port is not None
-        with psycopg.connect(host="127.0.0.1", port=server.port, user="postgres", dbname="keep") as conn:
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(host="127.0.0.1", port=server.port, user="postgres", dbname="keep").close()
+        with psycopg.connect(
+            host="127.0.0.1", port=server.port, user="postgres", password=server.password, dbname="keep"
+        ) as conn:
             conn.execute("CREATE TABLE kept (x int)")
             conn.execute("INSERT INTO kept VALUES (42)")
         pgdata = str(server.pgdata)
     assert _processes_mentioning(pgdata) == []
     with EmbeddedPostgres(data_dir, database="keep", durable=False, keep_data=False) as server:
         assert server.port is not None
-        with psycopg.connect(host="127.0.0.1", port=server.port, user="postgres", dbname="keep") as conn:
+        with psycopg.connect(server.url_of("keep").replace("+psycopg", "")) as conn:  # the password kept
             row = conn.execute("SELECT x FROM kept").fetchone()
     assert row == (42,)
     assert _processes_mentioning(pgdata) == []
