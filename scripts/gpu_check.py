@@ -1,0 +1,208 @@
+"""GPU readiness check (run by scripts/gpu_check.sh): prints one JSON object.
+
+    1. the Megatron model on CUDA (tree attention picks flex attention there): trainer steps over a
+       tree-packed batch, micro-batched -> train tokens/s
+    2. NCCL data parallelism resized 1 -> 2 -> 1 at micro-batch boundaries, replicas compared
+       bit for bit (skipped with one GPU)
+    3. the torch inference engine on CUDA: concurrent generations -> decode tokens/s
+
+No vLLM. `--allow-cpu` runs the same code on the CPU with small sizes (a smoke test of the script
+itself on a machine without a GPU; its numbers say nothing about a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gyre.model.config import ModelConfig  # noqa: E402
+from gyre.model.trees import random_tree  # noqa: E402
+from services.trainer.batch import PackedBatch  # noqa: E402
+from services.trainer.config import TrainerConfig  # noqa: E402
+from services.trainer.loop import Trainer  # noqa: E402
+
+
+def packed_batch(seed: int, num_nodes: int, max_len: int, num_roots: int, vocab: int) -> PackedBatch:
+    """A random tree-packed batch (random tokens, advantages and behaviour log-probs)."""
+    rng = random.Random(seed)
+    tree = random_tree(rng, num_nodes, max_len=max_len, num_roots=num_roots)
+    t = tree.num_tokens
+    mask = torch.tensor([rng.random() < 0.7 for _ in range(t)])
+    for offset in (tree.node_offsets[i] for i, p in enumerate(tree.node_parents) if p < 0):
+        mask[offset] = False  # a root's first token has no predecessor
+    w = torch.tensor([rng.uniform(-1, 1) for _ in range(t)], dtype=torch.float64)
+    return PackedBatch(
+        f"b{seed}",
+        token_ids=torch.tensor([rng.randrange(vocab) for _ in range(t)]),
+        position_ids=torch.tensor(tree.position_ids),
+        node_offsets=tree.node_offsets,
+        node_lengths=tree.node_lengths,
+        node_parents=tree.node_parents,
+        loss_mask=mask,
+        weight_pos=w.clamp(min=0),
+        weight_neg=w.clamp(max=0),
+        kl_weight=torch.ones(t, dtype=torch.float64),
+        behaviour_logprobs=torch.full((t,), -6.0, dtype=torch.float64) * mask,
+        policy_versions=torch.where(mask, 0, -1),
+        num_paths=num_roots,
+    )
+
+
+class Batches:
+    def __init__(self, batches: list[PackedBatch]) -> None:
+        self.batches = batches
+
+    async def pull(self, current_version: int, resume_batch_id: str = "") -> PackedBatch | None:
+        return self.batches.pop(0) if self.batches else None
+
+    async def ack(self, batch_id: str, version: int) -> None:
+        return None
+
+
+async def check_training(device: str, model: ModelConfig, sizes: dict[str, int], out: dict[str, Any]) -> None:
+    cfg = TrainerConfig(
+        model=model,
+        device="cuda" if device == "cuda" else "cpu",
+        dtype="bfloat16" if device == "cuda" else "float32",
+        micro_batch_tokens=sizes["micro_tokens"],
+        checkpoint_every=1000,
+        pull_wait_s=0,
+    )
+    steps = sizes["steps"]
+    batches = [
+        packed_batch(i, sizes["nodes"], sizes["node_len"], sizes["roots"], model.vocab_size)
+        for i in range(steps + 3)
+    ]
+    metrics: list[dict[str, float]] = []
+
+    async def sink(weights: Any, m: dict[str, float]) -> None:
+        metrics.append(m)
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(cfg, Path(run_dir), Batches(batches), sink, seed=0)
+        await trainer.run(max_steps=1)  # warm-up (kernels compile)
+        sync(device)
+        t0 = time.perf_counter()
+        await trainer.run(max_steps=1 + steps)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(m["num_tokens"] for m in metrics[1:])
+        out["train"] = {
+            "device": str(next(trainer.model.parameters()).device),
+            "tokens_per_step": tokens / steps,
+            "micro_batches_per_step": metrics[-1]["num_micro_batches"],
+            "train_tokens_per_s": tokens / elapsed,
+            "loss_finite": all(torch.isfinite(torch.tensor(m["loss"])).item() for m in metrics),
+        }
+        if device == "cuda" and torch.cuda.device_count() > 1:
+            trainer.device_index.update({"gpu-0": 0, "gpu-1": 1})
+            sizes_seen, digests_equal = [], True
+            for held in (["gpu-0"], ["gpu-0", "gpu-1"], ["gpu-0"]):
+                trainer.set_devices(held)
+                await asyncio.to_thread(trainer.dp.apply, True)
+                sizes_seen.append(trainer.dp.size)
+                if trainer.dp.size > 1:
+                    await trainer.run(max_steps=trainer.state.step + 1)
+                    digests = await asyncio.to_thread(trainer.dp.replica_digests)
+                    digests_equal &= len(set(digests)) == 1
+            out["nccl_resize"] = {"sizes": sizes_seen, "replicas_identical": digests_equal}
+        else:
+            out["nccl_resize"] = {"skipped": f"{torch.cuda.device_count()} GPU(s); needs 2"}
+        trainer.close()
+
+
+async def check_decode(device: str, model: ModelConfig, sizes: dict[str, int], out: dict[str, Any]) -> None:
+    from services.rollout.engines.base import GenerationRequest, Sampling
+    from services.rollout.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(
+        "check-e0",
+        "gpu-0",
+        model,
+        torch_device="cuda:0" if device == "cuda" else "cpu",
+        max_batch=sizes["batch"],
+    )
+    await engine.start()
+    try:
+
+        async def one(i: int) -> int:
+            req = GenerationRequest(
+                f"r{i}",
+                [1 + (i * 7 + j) % 200 for j in range(32)],
+                Sampling(1.0, sizes["new_tokens"], seed=i, stop_token_ids=()),
+            )
+            return len((await engine.generate(req)).token_ids)
+
+        await asyncio.gather(*(one(i) for i in range(2)))  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        generated = await asyncio.gather(*(one(i) for i in range(sizes["batch"])))
+        sync(device)
+        out["decode"] = {
+            "concurrent_requests": sizes["batch"],
+            "tokens": sum(generated),
+            "decode_tokens_per_s": sum(generated) / (time.perf_counter() - t0),
+        }
+    finally:
+        await engine.close()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--allow-cpu", action="store_true", help="smoke-test on the CPU when no GPU is present"
+    )
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        print(json.dumps({"ok": False, "error": "no CUDA device (use --allow-cpu for a smoke test)"}))
+        return 2
+    device = "cuda" if cuda else "cpu"
+    if cuda:
+        model = ModelConfig(
+            num_layers=8,
+            hidden_size=1024,
+            num_attention_heads=16,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+        )
+        train = {"nodes": 64, "node_len": 96, "roots": 8, "micro_tokens": 2048, "steps": 5}
+        decode = {"batch": 64, "new_tokens": 128}
+    else:
+        model = ModelConfig()
+        train = {"nodes": 16, "node_len": 6, "roots": 4, "micro_tokens": 24, "steps": 2}
+        decode = {"batch": 4, "new_tokens": 8}
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu (smoke test: numbers say nothing)",
+        "num_gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "model": model.model_dump(include={"num_layers", "hidden_size", "num_attention_heads", "vocab_size"}),
+    }
+    await check_training(device, model, train, out)
+    await check_decode(device, model, decode, out)
+    out["ok"] = bool(out["train"]["loss_finite"]) and out["nccl_resize"].get("replicas_identical", True)
+    print(json.dumps(out, indent=2))
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))
