@@ -1,0 +1,109 @@
+"""Recovery, as numbers: exactly-once training bit for bit, the report of a run that died, the loss
+counters of `gyre chaos`, and a real job whose killed service is restarted and which completes.
+
+Real processes throughout: the exactly-once probe SIGKILLs a real trainer process; the job test runs
+`gyre chaos` (every service its own supervised process, embedded NATS and Postgres).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.app.chaos import count_double_leases, plan_faults
+from gyre.app.job.report import OUTCOME_NAME, build_report, headline, incomplete_reason
+from tests.job.conftest import write_synthetic_run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _lease(kind: str, device: str, holder: str, epoch: int) -> dict:
+    return {"kind": kind, "lease": {"device_id": device, "holder": holder, "epoch": str(epoch)}}
+
+
+def test_a_handoff_through_release_is_not_a_double_lease_but_an_overlapping_acquire_is() -> None:
+    handoff = [
+        _lease("KIND_REGISTERED", "d0", "rollout-0", 1),
+        _lease("KIND_RELEASED", "d0", "", 2),
+        _lease("KIND_ACQUIRED", "d0", "trainer-0", 3),
+    ]
+    overlap = [
+        _lease("KIND_REGISTERED", "d0", "rollout-0", 1),
+        _lease("KIND_ACQUIRED", "d0", "trainer-0", 2),  # rollout-0 never released it
+    ]
+    stale = [*handoff, _lease("KIND_RELEASED", "d0", "", 4), _lease("KIND_ACQUIRED", "d0", "rollout-0", 3)]
+    assert count_double_leases(handoff) == 0
+    assert count_double_leases(overlap) == 1
+    assert count_double_leases(stale) == 1  # an epoch that does not grow is a fencing failure
+
+
+def test_faults_are_spread_over_the_run_in_order_and_before_its_last_two_steps() -> None:
+    faults = plan_faults(
+        ["scheduler", "rollout", "trajectory", "trainer", "nats", "postgres"], 20, random.Random(0)
+    )
+    steps = [f.at_step for f in faults]
+    assert [f.target for f in faults][0] == "scheduler" and steps == sorted(steps)
+    assert steps[0] >= 1 and steps[-1] <= 20 - 2
+    assert all(0.0 <= f.delay_s <= 3.0 for f in faults)
+
+
+def test_a_report_of_a_run_that_did_not_complete_says_so_and_never_that_it_learned(tmp_path: Path) -> None:
+    write_synthetic_run(tmp_path, num_steps=10, reward_slope=0.06)  # rising reward: would be "learned"
+    (tmp_path / OUTCOME_NAME).write_text(json.dumps({"completed": False, "reason": "service down for good"}))
+    report = build_report(tmp_path)
+    text = report.report_path.read_text()
+    summary = json.loads(report.summary_path.read_text())
+    lines = headline(report.analysis, incomplete_reason(tmp_path))
+    assert "This run did not complete" in text and "service down for good" in text
+    assert "learned: yes" not in text
+    assert summary["completed"] is False and summary["learned"] is False
+    assert summary["learned_over_steps_run"] is True  # what the steps that ran showed, kept apart
+    assert lines[0].startswith("run did NOT complete") and not any("learned: yes" in x for x in lines)
+
+
+def test_the_same_run_completed_is_judged_learned(tmp_path: Path) -> None:
+    write_synthetic_run(tmp_path, num_steps=10, reward_slope=0.06)
+    report = build_report(tmp_path, extra={"job_completed": True, "job_end_reason": "done"})
+    assert report.summary["completed"] is True and report.summary["learned"] is True
+
+
+@pytest.mark.integration
+def test_a_trainer_killed_and_restarted_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path) -> None:
+    from gyre.app.exactly_once import run_probe
+
+    result = run_probe(tmp_path / "probe", ROOT / "examples" / "quickstart.yaml", steps=6, seed=1)
+    assert result["trainer_killed_exit"] == -9  # it really was SIGKILLed mid-run
+    assert 1 <= result["trainer_killed_after_step"] < 6
+    assert result["trainer_bitwise_equal"] is True
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_job_whose_rollout_is_killed_restarts_it_and_completes_losing_nothing(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gyre.app.chaos", "examples/quickstart.yaml", "--json", "--steps", "5"]
+        + ["--targets", "rollout", "--run-dir", str(tmp_path / "run")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert proc.stdout.strip(), proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    (fault,) = result["faults"]
+    assert fault["target"] == "rollout" and fault["recovered"], fault
+    assert result["restarts"].get("rollout", 0) >= 1
+    assert result["completed"] is True
+    for counter in ("steps_lost", "paths_trained_twice", "batches_lost", "double_leases", "executions_lost"):
+        assert result[counter] == 0, (counter, result)
+    assert result["steps_stored"] >= result["steps_emitted"] > 0
+    stats = json.loads((tmp_path / "run" / "final_stats.json").read_text())
+    assert "executions_started" in stats["rollout"]  # the rollout's counters, read before it stopped
