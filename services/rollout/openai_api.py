@@ -773,7 +773,8 @@ async def serve(app: FastAPI, host: str, port: int) -> tuple[Any, int]:
     bound = server.servers[0].sockets[0].getsockname()[1]
     server.gyre_task = task  # type: ignore[attr-defined]
     if isinstance(app.state.endpoint, OpenAIEndpoint) and not app.state.endpoint.public_url:
-        app.state.endpoint.public_url = f"http://{host}:{int(bound)}"
+        reachable = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host  # a wildcard bind: loopback
+        app.state.endpoint.public_url = f"http://{reachable}:{int(bound)}"
     return server, int(bound)
 
 

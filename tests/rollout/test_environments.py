@@ -246,8 +246,27 @@ async def test_shadowing_pytest_or_planting_a_conftest_scores_zero() -> None:
         await env.close()
 
 
-async def test_processes_that_escape_their_command_are_gone_after_it_and_after_close() -> None:
+def fallback_levels() -> list[str]:
+    """The isolation level of this machine plus the weaker fallbacks this process can also run."""
+    from services.rollout.environments.sandbox import isolation
+
+    weaker = ["uid", "none"] if os.geteuid() == 0 else ["none"]
+    return [isolation(), *[level for level in weaker if level != isolation()]]
+
+
+def workspace_at(level: str) -> Workspace:
+    """A Workspace forced down to `level` (to test the fallbacks of machines without namespaces)."""
     ws = Workspace()
+    ws.user.level = level  # type: ignore[assignment]
+    if level in ("namespaces", "none") and ws.user.lease is not None:
+        ws.user.lease.release()  # as root at level `none`, commands run as this (root) user
+        ws.user.lease = None
+    return ws
+
+
+@pytest.mark.parametrize("level", fallback_levels())
+async def test_processes_that_escape_their_command_are_gone_after_it_and_after_close(level: str) -> None:
+    ws = workspace_at(level)
     daemon = (
         "import os\n"
         "if os.fork() == 0:\n"

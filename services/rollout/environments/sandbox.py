@@ -241,6 +241,15 @@ def _limit_child(limits: SandboxLimits, nproc: bool, setuid_to: int | None) -> N
         _setuid(setuid_to)
 
 
+async def _read_capped(stream: asyncio.StreamReader, limit: int) -> bytes:
+    """Read `stream` to EOF, keeping the first `limit` bytes (the rest is drained so writers never block)."""
+    kept = bytearray()
+    while chunk := await stream.read(65536):
+        if len(kept) < limit:
+            kept += chunk[: limit - len(kept)]
+    return bytes(kept)
+
+
 def sandbox_path() -> str:
     """PATH of sandboxed commands: this interpreter's directory, then the system's (not the service's
     own PATH, which may name directories a sandbox user cannot enter)."""
@@ -294,16 +303,24 @@ class SandboxUser:
             stderr=asyncio.subprocess.STDOUT,
             preexec_fn=preexec,
         )
-        timed_out = False
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-        except TimeoutError:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await asyncio.to_thread(kill_sandbox, uid, self.marker)
-            out, _ = await proc.communicate()
+        assert proc.stdout is not None
+        reader = asyncio.create_task(_read_capped(proc.stdout, limits.max_output_bytes))
+        # Poll the exit status: asyncio's proc.wait() would also wait for the pipe to close (3.11).
+        deadline = time.monotonic() + timeout_s
+        while proc.returncode is None and time.monotonic() < deadline:  # noqa: ASYNC110 - no exit event
+            await asyncio.sleep(0.02)
+        timed_out = proc.returncode is None
+        # The command is over (or out of time): nothing of it may live on, even what still holds its
+        # output pipe open (a background job, a `setsid` daemon).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         await asyncio.to_thread(kill_sandbox, uid, self.marker)
+        await proc.wait()
+        try:
+            out = await asyncio.wait_for(reader, 5.0)
+        except TimeoutError:  # a process that escaped the kill still holds the pipe (level `none`)
+            out = b""
+            log.error("sandbox %s: a process outlived its command and holds its output", self.marker)
         text = out[: limits.max_output_bytes].decode("utf-8", errors="replace")
         return CommandResult(proc.returncode if proc.returncode is not None else -9, text, timed_out)
 
