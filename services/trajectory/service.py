@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import grpc
+import nats.js.errors
 
 from gyre import rpc
 from gyre.bus import Bus, Consumer, subjects
@@ -144,6 +145,7 @@ class TrajectoryService(Service):
         trajectory_pb2_grpc.add_TrajectoryServicer_to_server(TrajectoryServicer(core, gate), rt.server)
         run = self.common.run_id
         durable = self.cfg.durable_name
+        await self._seed_latest_weights(rt.bus, gate, run)
         # Newest published weights version: bounds step versions and PullBatch's current_version.
         self.consumers.append(
             await rt.bus.consume(
@@ -175,6 +177,19 @@ class TrajectoryService(Service):
                 )
             )
         rt.spawn(self._poll_loop(), name="trajectory-poll")
+
+    @staticmethod
+    async def _seed_latest_weights(bus: Bus, gate: StepGate, run: str) -> None:
+        """Start the gate at the newest weights version stored on the bus. A restarted service's
+        durable weights consumer has acked every earlier event, so without this the gate would
+        restart at 0 and dead-letter the rollout's current steps as 'version ahead'."""
+        subject = subjects.weights(run)
+        try:
+            last = await bus.js.get_last_msg(subjects.stream_for(subject).name, subject)
+        except nats.js.errors.NotFoundError:
+            return  # nothing published yet: 0 is right
+        if last.data:
+            gate.note_weights(events_pb2.WeightsPublishedEvent.FromString(last.data).weights.version)
 
     async def _on_weights(self, msgs: list[events_pb2.WeightsPublishedEvent]) -> None:
         assert self.gate is not None

@@ -241,3 +241,32 @@ async def test_a_prompt_of_booleans_is_refused_and_the_engine_keeps_serving() ->
         await engine.close()
     assert good.finish_reason == "length" and len(good.token_ids) == 2
     assert state is EngineState.SERVING
+
+
+async def test_a_restarted_trajectory_gate_starts_at_the_newest_published_weights(nats_url: str) -> None:
+    """Its durable weights consumer acked every earlier event: the gate is seeded from the stream,
+    or the rollout's current steps would be dead-lettered as 'version ahead' after a restart."""
+    from gyre.bus import Bus, subjects
+    from gyre.v1 import common_pb2, events_pb2
+    from services.trajectory.config import TrajectoryConfig
+    from services.trajectory.service import TrajectoryService
+    from services.trajectory.validation import StepGate
+
+    run = f"seed{uuid.uuid4().hex[:6]}"
+    bus = await Bus.connect(nats_url, name="test")
+    try:
+        await bus.ensure_streams()
+        fresh = StepGate(run, TrajectoryConfig())
+        await TrajectoryService._seed_latest_weights(bus, fresh, run)
+        for version in (3, 7):
+            weights = common_pb2.WeightVersion(version=version)
+            event = events_pb2.WeightsPublishedEvent(
+                event_id=f"w.{run}.{version}", run_id=run, weights=weights
+            )
+            await bus.publish(subjects.weights(run), event)
+        restarted = StepGate(run, TrajectoryConfig())
+        await TrajectoryService._seed_latest_weights(bus, restarted, run)
+    finally:
+        await bus.close()
+    assert fresh.latest_version == 0
+    assert restarted.latest_version == 7
