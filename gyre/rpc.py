@@ -22,6 +22,7 @@ import hmac
 import inspect
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar, cast
 
@@ -61,10 +62,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def status_code_for(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status of a domain error; INTERNAL for anything unexpected."""
+    """The gRPC status of a domain error; UNAVAILABLE for a lost database connection (Postgres
+    restarting: the caller retries); INTERNAL for anything else unexpected."""
     for cls, code in ERROR_CODES:
         if isinstance(exc, cls):
             return code
+    sqlalchemy_exc = getattr(sys.modules.get("sqlalchemy"), "exc", None)  # only if the service uses it
+    if sqlalchemy_exc is not None and isinstance(exc, sqlalchemy_exc.OperationalError):
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 
