@@ -162,10 +162,10 @@ def create_server(
     host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server bound to host:port (0 = a free port); returns it with the bound port.
-    With `token` (default: default_token()) every call but health checks needs it (module docstring).
+    With `token` (None: default_token(); "": open) every call but health checks needs it (module docstring).
 
     Register servicers, then ``await server.start()``."""
-    token = token or default_token()
+    token = token if token is not None else default_token()
     interceptors = [TokenAuthInterceptor(token)] if token else []
     server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -243,8 +243,8 @@ class _StreamStreamToken(grpc.aio.StreamStreamClientInterceptor):
 
 def channel(address: str, *, token: str | None = None) -> grpc.aio.Channel:
     """An insecure grpc.aio channel to host:port with the same message limits as our servers, that
-    sends `token` (default: default_token()) as a bearer token on every call."""
-    token = token or default_token()
+    sends `token` (None: default_token(); "": no token) as a bearer token on every call."""
+    token = token if token is not None else default_token()
     value = f"Bearer {token}"
     interceptors: list[grpc.aio.ClientInterceptor] | None = (
         [

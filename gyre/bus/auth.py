@@ -13,7 +13,8 @@ Roles (a NATS user each, same name):
 
 Every user gets its own reply inbox prefix (``_INBOX_<user>``, which ``Bus.connect`` sets from the
 user name), so no user can read another's request replies. JetStream API rights are per stream:
-stream info for all, consumer create / info / next only on the streams the role reads; no user but
+stream info for all; consumer create / info / next and reading a stored message only on the
+streams the role reads; no user but
 ``admin`` can create, update, purge or delete a stream, or delete a consumer.
 
 Known limits (documented in docs/operations.md): a role that reads a stream may create a consumer of
@@ -75,6 +76,9 @@ def _read_rights(stream: str, *, ack: bool) -> list[str]:
         f"{_JS}.CONSUMER.DURABLE.CREATE.{stream}.>",
         f"{_JS}.CONSUMER.INFO.{stream}.>",
         f"{_JS}.CONSUMER.MSG.NEXT.{stream}.>",
+        f"{_JS}.STREAM.MSG.GET.{stream}",  # one stored message (e.g. the last weights event)
+        f"{_JS}.DIRECT.GET.{stream}",
+        f"{_JS}.DIRECT.GET.{stream}.>",
     ]
     if ack:
         rights.append(f"$JS.ACK.{stream}.>")

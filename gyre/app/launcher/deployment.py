@@ -15,7 +15,16 @@ Start (each step waits for the previous one):
    GYRE_RUN_DIR and, for every service started before them, GYRE_<NAME>_ADDRESS plus the override
    of their own config field `<name>_address` if they have one and neither the config nor the
    environment sets it (GYRE_TRAINER__TRAJECTORY_ADDRESS);
-4. `<run_dir>/endpoints.json`.
+4. `<run_dir>/endpoints.json` (mode 0600: it holds the observer's NATS login and the Postgres
+   superuser URL).
+
+Credentials (gyre.app.launcher.credentials, kept in `<run_dir>/secrets/`): an embedded nats-server
+gets one user per service with the subject permissions of gyre.bus.auth (no anonymous access), and
+each service's GYRE_NATS_URL carries its own user; an embedded Postgres gets one role per service
+(gyre.store.roles), migrations run as that role, and each service's GYRE_DATABASE_URL is its own
+role's; every service gets the run's GYRE_GRPC_TOKEN (the config's `grpc_token` if set, else
+generated), and this process uses it for its own gRPC calls. The trajectory service is told the
+trainer's worker_id and the model's vocabulary unless its section sets them.
 
 A service that exits or times out during start raises DeploymentError with the tail of its log,
 after everything started so far has been stopped. Stop runs in reverse order (SIGTERM, grace,
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -47,12 +57,16 @@ from typing import Any, Self
 
 import psutil
 
-from gyre.app.launcher.config import LauncherConfig, address_overrides
+from gyre import rpc
+from gyre.app.launcher.config import LauncherConfig, address_overrides, service_config_model
+from gyre.app.launcher.credentials import RunCredentials
 from gyre.app.launcher.endpoints import FILENAME, Endpoints, ServiceEndpoint
 from gyre.app.launcher.healthcheck import check
 from gyre.app.launcher.process import RestartPolicy, RestartRecord, ServiceProcess
+from gyre.bus.auth import ADMIN, OBSERVER
 from gyre.config import CommonConfig, load_common, load_section, load_yaml
 from gyre.errors import GyreError
+from gyre.store import roles
 
 
 class DeploymentError(GyreError):
@@ -117,6 +131,8 @@ class Deployment:
         self._service_args = {k: list(v) for k, v in (service_args or {}).items()}
         self._progress = on_progress or (lambda line: None)
         self._embedded: list[Any] = []  # EmbeddedNats / EmbeddedPostgres we started, in start order
+        self._credentials: RunCredentials | None = None  # generated secrets (set by start)
+        self._previous_token: str | None = None  # this process's gRPC token before start()
         self._procs: list[ServiceProcess] = []
         self._endpoints: Endpoints | None = None
         self._stop_lock = threading.Lock()
@@ -169,19 +185,30 @@ class Deployment:
     def _start(self) -> Endpoints:
         self._refuse_second_launcher()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        creds = self._credentials = RunCredentials.load_or_create(self.run_dir)
+        token = self.common.grpc_token.get_secret_value() if self.common.grpc_token else creds.grpc_token
+        self._previous_token = rpc.default_token()
+        rpc.set_default_token(token)  # the job driver and other clients in this process (until stop)
         nats_url = self._nats_url or self._start_embedded_nats()
         database_url = self._database_url or self._start_embedded_postgres()
+        secured_nats = self._nats_url is None
         self._progress(f"declaring streams on {nats_url}")
-        _run_async(_ensure_streams(nats_url))
+        _run_async(_ensure_streams(creds.nats_url(nats_url, ADMIN) if secured_nats else nats_url))
         self._progress("applying migrations")
         from gyre.store.cli import upgrade_all
 
-        upgrade_all(database_url, tuple(self.launcher.services))
+        db_urls: dict[str, str] = {}
+        if self._database_url is None:
+            db_urls = roles.ensure_service_roles(
+                database_url, {s: creds.postgres[s] for s in self.launcher.services}
+            )
+        upgrade_all(database_url, tuple(self.launcher.services), urls=db_urls)
         env = {
             **os.environ,
             **self._extra_env,
             "GYRE_NATS_URL": nats_url,
             "GYRE_DATABASE_URL": database_url,
+            "GYRE_GRPC_TOKEN": token,
             "GYRE_RUN_ID": self.common.run_id,
             "GYRE_RUN_DIR": str(self.run_dir),
             "PYTHONUNBUFFERED": "1",
@@ -196,24 +223,50 @@ class Deployment:
                 for key, value in address_overrides(name, started).items()
                 if key not in env and not given.get(key.split("__", 1)[1].lower())
             }
-            self._spawn_env[name] = {**env, **wiring}
+            own = {
+                **({"GYRE_NATS_URL": creds.nats_url(nats_url, name)} if secured_nats else {}),
+                **({"GYRE_DATABASE_URL": db_urls[name]} if name in db_urls else {}),
+                **self._trust_wiring(name, env, given),
+            }
+            self._spawn_env[name] = {**env, **wiring, **own}
             endpoint = self._start_service(name, self._spawn_env[name])
             services[name] = endpoint
             env[address_env_var(name)] = endpoint.grpc_address
         self._endpoints = Endpoints(
             run_id=self.common.run_id,
             run_dir=str(self.run_dir),
-            nats_url=nats_url,
+            nats_url=creds.nats_url(nats_url, OBSERVER) if secured_nats else nats_url,
             database_url=database_url,
             launcher_pid=os.getpid(),
             services=services,
             embedded=[type(e).__name__.removeprefix("Embedded").lower() for e in self._embedded],
         )
-        self._endpoints.write(self.run_dir)
+        self._endpoints.write(self.run_dir).chmod(0o600)
         if self.launcher.restart:
             self._supervisor = threading.Thread(target=self._supervise, name="gyre-supervisor", daemon=True)
             self._supervisor.start()
         return self._endpoints
+
+    def _trust_wiring(self, name: str, env: Mapping[str, str], given: Mapping[str, Any]) -> dict[str, str]:
+        """What the trajectory service must know to check its inputs: the trainer's worker_id (the
+        only consumer allowed to take batches) and the model's vocabulary, unless set already."""
+        if name != "trajectory":
+            return {}
+        trainer_model = service_config_model("trainer")
+        if trainer_model is None:
+            return {}
+        trainer = load_section(trainer_model, "trainer", data=self._raw)
+        worker_id = getattr(trainer, "worker_id", None)
+        vocab_size = getattr(getattr(trainer, "model", None), "vocab_size", None)
+        wiring = {
+            **({"GYRE_TRAJECTORY__TRAINER_WORKERS": json.dumps([worker_id])} if worker_id else {}),
+            **({"GYRE_TRAJECTORY__VOCAB_SIZE": str(vocab_size)} if vocab_size else {}),
+        }
+        return {
+            key: value
+            for key, value in wiring.items()
+            if key not in env and given.get(key.split("__", 1)[1].lower()) is None
+        }
 
     def _refuse_second_launcher(self) -> None:
         """Two deployments in one run_dir would share embedded data dirs and logs: refuse the second."""
@@ -233,7 +286,8 @@ class Deployment:
         from gyre.embedded import EmbeddedNats
 
         self._progress("starting embedded nats-server")
-        server = EmbeddedNats(self.run_dir / "nats")
+        assert self._credentials is not None
+        server = EmbeddedNats(self.run_dir / "nats", passwords=self._credentials.nats)
         self._embedded.append(server)
         return server.start()
 
@@ -428,7 +482,7 @@ class Deployment:
         with self._lock:
             if self._endpoints is not None:
                 self._endpoints.services[proc.name] = endpoint
-                self._endpoints.write(self.run_dir)
+                self._endpoints.write(self.run_dir).chmod(0o600)
         self._progress(f"{proc.name} restarted and serving ({record.recovery_s:.1f} s after its exit)")
 
     def _restart_embedded(self, server: Any) -> None:
@@ -467,6 +521,8 @@ class Deployment:
                 path = self.run_dir / FILENAME
                 if path.is_file() and Endpoints.read(path).launcher_pid == os.getpid():
                     path.unlink()
+            if self._credentials is not None:
+                rpc.set_default_token(self._previous_token)
 
 
 def _connect_host(bind_host: str) -> str:
@@ -474,7 +530,7 @@ def _connect_host(bind_host: str) -> str:
     return "127.0.0.1" if bind_host in {"0.0.0.0", ""} else "[::1]" if bind_host == "::" else bind_host
 
 
-async def _ensure_streams(nats_url: str) -> None:
+async def _ensure_streams(nats_url: str) -> None:  # nats_url: the admin's login on a secured server
     from gyre.bus import Bus
 
     bus = await Bus.connect(nats_url, name="launcher")
