@@ -180,23 +180,26 @@ class AsyncPolicy(Policy):
 class ElasticPolicy(Policy):
     """Gyre's policy: a device that one side leaves idle serves the other, and comes back when needed.
 
-    It reads only the live snapshot (leases and load reports) and keeps no state; the same class runs
-    in the scheduler service and in the simulator, with the same parameters on every workload. Per
-    snapshot, with L live executions, engine capacity c (the engine's max batch) and P devices:
+    It reads only the live snapshot (leases and load reports) and keeps no state beyond the roles in
+    the lease table; the same class runs in the scheduler service and in the simulator, with the
+    same parameters on every workload (no per-workload tuning). Per snapshot, with L live
+    executions, engine capacity c (the engine's max batch) and P devices:
 
-    - Never strand an execution: rollout holds at least ceil(L / c) devices, so every live execution
-      has a batch slot; a handoff migrates in-flight generations, it never aborts one.
+    - Executions first: rollout holds ceil(L / c) devices when it can (the trainer keeps
+      `min_train_devices`), so no execution waits for a batch slot, and never fewer than its
+      resident executions occupy: a handoff migrates in-flight generations, it never aborts one.
     - Trainer idle (no scored work): its devices spread the rollout, up to one device per live
-      execution (decode is memory-bound: fewer executions per engine decode faster), keeping
-      `min_train_devices` ready for the first scored group (`spread_idle`).
-    - Trainer busy: rollout holds min(L, home) devices, home = `home_rollout_devices` (the operator's
-      split; default half the pool, as the live Async default). Devices borrowed from the trainer
-      beyond home go back to it; in the tail (L below home) rollout lends every device a live
-      execution does not need, one engine per execution, highest device IDs first (the router fills
-      the lowest IDs first, so those empty first). Never packs executions to lend more.
-    - A move must pay for itself: rollout lends to a trainer that already has devices only if its last
-      step took more than `min_step_over_switch` role changes (`role_change_s`); a trainer with work
-      and no device always gets one.
+      execution (decode is memory-bound: fewer executions per engine decode faster).
+    - Trainer busy: rollout keeps what it holds while no later batch waits for the trainer; once one
+      does (training is on the critical path, `trainer_backlog >= 2`), borrowed devices go back down
+      to the home split, `home_rollout_devices` (the operator's split; default half the pool, as
+      the live Async default). In the tail (L below what rollout holds) rollout lends every device
+      a live execution does not need, one engine per execution, highest device IDs first (the router
+      fills the lowest IDs first, so those empty first). It never packs executions to lend more.
+    - A move must pay for itself: optional moves (spreading, lending) happen only when the trainer's
+      step cadence (`trainer_step_s`) exceeds `min_step_over_switch` role changes (`role_change_s`);
+      on shorter steps Elastic holds its split like Async. A trainer with work and no device always
+      gets one.
     """
 
     name = "elastic"
@@ -220,15 +223,22 @@ class ElasticPolicy(Policy):
         self.spread_idle = spread_idle
 
     def target_rollout(self, snapshot: PoolSnapshot) -> int:
-        """How many devices should serve rollout now."""
+        """How many devices should serve rollout now (see the class docstring)."""
         total = len(snapshot.devices)
         live = snapshot.live_executions
-        must = math.ceil(live / max(1, snapshot.engine_capacity))  # every live execution has a slot
+        cap = max(1, snapshot.engine_capacity)
         ceiling = max(1, total - self.min_train_devices)
+        # Every live execution gets a batch slot: queued ones are on their batch's critical path.
+        must = min(ceiling, math.ceil(live / cap))
+        # Never below what the resident executions occupy (a handoff migrates, it never aborts).
+        must = max(must, math.ceil(max(0, live - snapshot.queued_generations) / cap))
         if not snapshot.trainer_wants_devices and self._moves_pay(snapshot):
             # Spread the rollout over the idle trainer's devices (one engine per live execution at most).
             return min(ceiling, max(must, live if self.spread_idle else must))
         home = self.home_rollout_devices or max(1, total // 2)
+        if snapshot.trainer_backlog < 2:
+            # Training is not critical (no later batch waits for it): keep what rollout holds.
+            home = max(home, snapshot.count(Role.ROLLOUT))
         return max(must, min(live, home, ceiling))
 
     def _moves_pay(self, snapshot: PoolSnapshot) -> bool:
@@ -258,7 +268,8 @@ class ElasticPolicy(Policy):
                 (d for d in still if d.role == Role.ROLLOUT), key=lambda d: d.device_id, reverse=True
             )
             cap = max(1, snapshot.engine_capacity)
-            room = max(0, len(settled) - math.ceil(snapshot.live_executions / cap))
+            resident = max(0, snapshot.live_executions - snapshot.queued_generations)
+            room = max(0, len(settled) - math.ceil(resident / cap))
             why = f"elastic: {snapshot.live_executions} live executions fit on {target} devices; lending the rest"
             moves = [Reassignment(d.device_id, Role.TRAIN, why) for d in settled[: min(have - target, room)]]
         idle = [d for d in still if d.role == Role.IDLE]

@@ -88,10 +88,21 @@ def test_elastic_spreads_the_rollout_over_an_idle_trainer_and_keeps_one_trainer_
     assert ElasticPolicy().plan(_snap(home, live=8, cap=4, step_s=0.0)) == []  # no step yet: stay at home
 
 
-def test_elastic_returns_borrowed_devices_to_a_trainer_that_has_work_again() -> None:
+def test_elastic_returns_borrowed_devices_only_when_training_becomes_critical() -> None:
     roles = [Role.ROLLOUT] * 5 + [Role.TRAIN]
-    moves = ElasticPolicy().plan(_snap(roles, live=8, cap=4, backlog=1, busy=True, step_s=900.0))
-    assert len(moves) == 2 and all(m.to_role == Role.TRAIN for m in moves)  # back to the home split of 3
+    # The trainer works on its step but no later batch waits for it: rollout keeps what it borrowed.
+    assert ElasticPolicy().plan(_snap(roles, live=8, cap=4, backlog=1, busy=True, step_s=900.0)) == []
+    # A later batch is scored and waits behind the running step: back to the home split of 3.
+    moves = ElasticPolicy().plan(_snap(roles, live=8, cap=4, backlog=2, busy=True, step_s=900.0))
+    assert len(moves) == 2 and all(m.to_role == Role.TRAIN for m in moves)
+
+
+def test_elastic_hosts_every_queued_execution_before_the_home_split() -> None:
+    roles = [Role.ROLLOUT] * 3 + [Role.TRAIN] * 3
+    moves = ElasticPolicy().plan(_snap(roles, live=18, queued=6, cap=4, backlog=2, busy=True))
+    assert len(moves) == 2 and all(
+        m.to_role == Role.ROLLOUT for m in moves
+    )  # ceil(18 / 4) = 5, trainer keeps 1
 
 
 def test_elastic_does_not_lend_when_a_training_step_is_shorter_than_the_role_changes() -> None:
