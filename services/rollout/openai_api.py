@@ -236,7 +236,8 @@ class OpenAIEndpoint:
     `api_key`: the run's key (None: model routes open). `admin_key`: the admin credential (None:
     admin routes refused). `max_prompt_tokens`: prompt bound (tokens; strings are bounded by
     characters before tokenising). `max_request_bytes`: body bound. `execution_idle_s`: seconds
-    without a call after which an execution is ended as TRUNCATED. `public_url`: this server's
+    without a call after which an execution is ended as TRUNCATED, checked every `reap_interval_s`
+    seconds. `public_url`: this server's
     base URL (`http://host:port`), used in issued per-execution base URLs.
     """
 
@@ -253,13 +254,15 @@ class OpenAIEndpoint:
         max_prompt_tokens: int = 4096,
         max_request_bytes: int = 8 << 20,
         execution_idle_s: float = 3600.0,
+        reap_interval_s: float = 5.0,
         public_url: str = "",
     ) -> None:
         self.router, self.sink, self.run_id = router, sink, run_id
         self.model_name, self.seed = model_name, seed
         self.api_key, self.admin_key = api_key, admin_key
         self.max_prompt_tokens, self.max_request_bytes = max_prompt_tokens, max_request_bytes
-        self.execution_idle_s, self.public_url = execution_idle_s, public_url
+        self.execution_idle_s, self.reap_interval_s = execution_idle_s, reap_interval_s
+        self.public_url = public_url
         self.executions: dict[str, _ExecutionState] = {}
         self.sleeping = False
         self.weights_loader: Callable[[common_pb2.WeightVersion], Awaitable[None]] | None = None
@@ -395,6 +398,13 @@ class OpenAIEndpoint:
         idle = [e for e, s in self.executions.items() if now - s.last_call_s > self.execution_idle_s]
         for execution_id in idle:
             await self.end(execution_id, "truncated", error=f"no call for {self.execution_idle_s:.0f} s")
+
+    async def reap_forever(self) -> None:
+        """Reap idle executions every `reap_interval_s`, also when no call arrives (runs beside uvicorn)."""
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            self._last_reap_s = 0.0
+            await self.reap_idle()
 
     # -- generation ----------------------------------------------------------------------------
     def sampling(self, body: _Sampling, state: _ExecutionState) -> Sampling:
@@ -743,7 +753,10 @@ def create_app(endpoint: OpenAIEndpoint) -> FastAPI:
 
 
 async def serve(app: FastAPI, host: str, port: int) -> tuple[Any, int]:
-    """Start uvicorn in this event loop; returns (server, bound port). Stop with `server.should_exit = True`."""
+    """Start uvicorn (and the endpoint's idle reaper) in this event loop; returns (server, bound port).
+
+    Stop with `server.should_exit = True`, then await `server.gyre_task`.
+    """
     import contextlib
     from collections.abc import Iterator
 
@@ -765,16 +778,32 @@ async def serve(app: FastAPI, host: str, port: int) -> tuple[Any, int]:
             app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
         )
     )
-    task = asyncio.create_task(server.serve(), name="openai-http")
+    endpoint: OpenAIEndpoint = app.state.endpoint
+
+    async def serve_and_reap() -> None:
+        """uvicorn plus the idle-execution reaper; a reaper that fails stops the server and raises."""
+        http = asyncio.create_task(server.serve(), name="openai-http-serve")
+        reaper = asyncio.create_task(endpoint.reap_forever(), name="openai-idle-reaper")
+        done, _ = await asyncio.wait({http, reaper}, return_when=asyncio.FIRST_COMPLETED)
+        if reaper in done:
+            server.should_exit = True
+            await http
+            reaper.result()
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+        http.result()
+
+    task = asyncio.create_task(serve_and_reap(), name="openai-http")
     while not server.started:
         if task.done():
             task.result()
         await asyncio.sleep(0.02)
     bound = server.servers[0].sockets[0].getsockname()[1]
     server.gyre_task = task  # type: ignore[attr-defined]
-    if isinstance(app.state.endpoint, OpenAIEndpoint) and not app.state.endpoint.public_url:
+    if not endpoint.public_url:
         reachable = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host  # a wildcard bind: loopback
-        app.state.endpoint.public_url = f"http://{reachable}:{int(bound)}"
+        endpoint.public_url = f"http://{reachable}:{int(bound)}"
     return server, int(bound)
 
 

@@ -24,7 +24,9 @@ API_KEY = "run-key-0123456789abcdef"
 ADMIN_KEY = "admin-key-0123456789abcdef"
 
 
-async def start_stack(nats_url: str) -> tuple[Bus, BusStepSink, Router, OpenAIEndpoint, object, int]:
+async def start_stack(
+    nats_url: str, **endpoint_options: float
+) -> tuple[Bus, BusStepSink, Router, OpenAIEndpoint, object, int]:
     bus = await Bus.connect(nats_url, name="rollout-openai-test")
     await bus.ensure_streams()
     sink = BusStepSink(bus, max_buffer=64, batch_size=8)
@@ -33,7 +35,9 @@ async def start_stack(nats_url: str) -> tuple[Bus, BusStepSink, Router, OpenAIEn
     engine = TorchEngine("e0", "cpu0-0", ModelConfig.model_validate({}), init_seed=3)
     await engine.start()
     await router.add_engine(engine)
-    endpoint = OpenAIEndpoint(router, sink, run_id=RUN, api_key=API_KEY, admin_key=ADMIN_KEY)
+    endpoint = OpenAIEndpoint(
+        router, sink, run_id=RUN, api_key=API_KEY, admin_key=ADMIN_KEY, **endpoint_options
+    )
     server, port = await serve(create_app(endpoint), "127.0.0.1", 0)
     return bus, sink, router, endpoint, server, port
 
@@ -354,17 +358,28 @@ async def test_an_unmodified_openai_client_on_an_issued_endpoint_lands_in_one_ex
 
 
 async def test_idle_executions_are_ended_as_truncated_never_left_open(nats_url: str) -> None:
-    bus, sink, router, endpoint, server, port = await start_stack(nats_url)
-    endpoint.execution_idle_s = 0.05
+    bus, sink, router, endpoint, server, port = await start_stack(
+        nats_url, execution_idle_s=0.05, reap_interval_s=0.05
+    )
+    ended: list[events_pb2.ExecutionEvent] = []
+
+    async def collect() -> None:
+        async for ev in bus.tail(subjects.executions(RUN, "openai"), events_pb2.ExecutionEvent):
+            if ev.execution_id == "idle-e0":
+                ended.append(ev)
+                return
+
+    collector = asyncio.create_task(collect())
+    await asyncio.sleep(0.2)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
             headers = {"Authorization": f"Bearer {API_KEY}", "X-Gyre-Execution-Id": "idle-e0"}
             assert (
                 await http.post("/v1/chat/completions", json=chat_body(), headers=headers)
             ).status_code == 200
-            endpoint._last_reap_s = 0.0
-            await asyncio.sleep(0.1)
-            await endpoint.reap_idle()
+            await sink.flush()
+            await asyncio.wait_for(collector, 20)  # no further call: the background reaper ends it
+            assert ended[0].kind == events_pb2.ExecutionEvent.KIND_TRUNCATED and ended[0].num_calls == 1
             assert "idle-e0" not in endpoint.executions
             assert (
                 await http.post("/v1/chat/completions", json=chat_body(), headers=headers)
