@@ -9,16 +9,18 @@ This is what bounds rollout to the data the trainer can take within the stalenes
 Restarts: group ids are `<task>-g<n>` in the first process of a run and `<task>-r<k>g<n>` in its
 k-th restart (`incarnation`, from GYRE_INCARNATION, which the supervisor sets). A restarted process
 therefore never reuses the id of an execution its predecessor started: the steps of those are
-stored under their own ids (and scored as unfinished), and the new groups run again from scratch.
+stored under their own ids, `end_orphaned_executions` ends each with a FAILED event (so it is
+scored as unfinished, from its progress, never as if complete), and the new groups run again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gyre.v1 import events_pb2
 
@@ -140,3 +142,61 @@ class ExecutionManager:
             self._admission.notify_all()
         if self.live:
             await asyncio.gather(*self.live.values(), return_exceptions=True)
+
+
+async def end_orphaned_executions(
+    bus: Any, sink: Any, run_id: str, *, idle_timeout_s: float = 5.0
+) -> list[str]:
+    """End what a killed predecessor left running: every execution of `run_id` with a STARTED event
+    and no end event on the bus gets a FAILED end event ("rollout process died"), published through
+    `sink`, so the trajectory service scores it as unfinished (partial progress) instead of waiting
+    for it forever; its task runs again in a new group of this process. Returns their ids.
+
+    Called by a restarted rollout (incarnation >= 1) before it starts executions. One rollout worker
+    per run (group ids carry no worker): every unended execution of the run is its predecessor's.
+    Idempotent: the event id `<execution_id>.orphaned` is deduplicated by JetStream."""
+    import time
+
+    from gyre.bus import subjects
+
+    subject = subjects.executions(run_id, "*")
+    stream = subjects.stream_for(subject).name
+    info = await bus.js.stream_info(stream, subjects_filter=subject)
+    if not sum((info.state.subjects or {}).values()):
+        return []
+    started: dict[str, events_pb2.ExecutionEvent] = {}
+    ended: set[str] = set()
+    sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True)
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=idle_timeout_s)
+            except TimeoutError:
+                break
+            ev = events_pb2.ExecutionEvent.FromString(msg.data)
+            if ev.kind == events_pb2.ExecutionEvent.KIND_STARTED:
+                started[ev.execution_id] = ev
+            else:
+                ended.add(ev.execution_id)
+            if msg.metadata.num_pending == 0:
+                break
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    orphans = [eid for eid in started if eid not in ended]
+    for eid in orphans:
+        ev = started[eid]
+        await sink.publish_execution(
+            events_pb2.ExecutionEvent(
+                event_id=f"{eid}.orphaned",
+                run_id=ev.run_id,
+                task_id=ev.task_id,
+                group_id=ev.group_id,
+                execution_id=eid,
+                kind=events_pb2.ExecutionEvent.KIND_FAILED,
+                environment=ev.environment,
+                error="rollout process died while the execution ran (ended by its restarted successor)",
+                created_unix_s=time.time(),
+            )
+        )
+    return orphans

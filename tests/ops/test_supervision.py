@@ -270,3 +270,39 @@ async def test_a_restarted_trajectory_gate_starts_at_the_newest_published_weight
         await bus.close()
     assert fresh.latest_version == 0
     assert restarted.latest_version == 7
+
+
+async def test_a_restarted_rollout_ends_the_executions_its_killed_predecessor_left_running(
+    nats_url: str,
+) -> None:
+    from gyre.bus import Bus, subjects
+    from gyre.v1 import events_pb2
+    from services.rollout.executions import end_orphaned_executions
+    from services.rollout.steps import BusStepSink
+
+    run = f"orph{uuid.uuid4().hex[:6]}"
+    E = events_pb2.ExecutionEvent
+
+    def event(execution_id: str, kind: int, name: str) -> events_pb2.ExecutionEvent:
+        return E(event_id=f"{execution_id}.{name}", run_id=run, task_id="t0", group_id="t0-g0",
+                 execution_id=execution_id, kind=kind)  # type: ignore[arg-type]  # fmt: skip
+
+    bus = await Bus.connect(nats_url, name="test")
+    sink = BusStepSink(bus)
+    sink.start()
+    try:
+        await bus.ensure_streams()
+        assert await end_orphaned_executions(bus, sink, run) == []  # nothing on the bus yet
+        for ev in (event("t0-g0-e0", E.KIND_STARTED, "started"), event("t0-g0-e1", E.KIND_STARTED, "started"),
+                   event("t0-g0-e0", E.KIND_FINISHED, "finished")):  # fmt: skip
+            await bus.publish(subjects.executions(run, "t0"), ev)
+        orphans = await end_orphaned_executions(bus, sink, run)
+        await sink.flush()
+        again = await end_orphaned_executions(bus, sink, run)  # the FAILED events are on the bus now
+        info = await bus.js.stream_info("GYRE_EXECUTIONS", subjects_filter=subjects.executions(run, "*"))
+    finally:
+        await sink.close()
+        await bus.close()
+    assert orphans == ["t0-g0-e1"]
+    assert again == []
+    assert sum((info.state.subjects or {}).values()) == 4  # 2 started, 1 finished, 1 failed (orphan)
