@@ -30,7 +30,7 @@ from .agent import Agent, AgentConfig, call_seed
 from .config import RolloutConfig
 from .engines.base import Engine, GenerationRequest, Sampling
 from .environments.base import TaskFamily
-from .executions import ExecutionManager
+from .executions import ExecutionManager, end_orphaned_executions
 from .leases import EngineDevices
 from .router import Router
 from .steps import BusStepSink
@@ -222,6 +222,14 @@ class RolloutService(Service):
                 key_dir / "openai_api_key" if cfg.openai_api_key is None else "rollout.openai_api_key",
                 key_dir / "openai_admin_key" if cfg.openai_admin_key is None else "rollout.openai_admin_key",
             )  # fmt: skip
+        if self.executions.incarnation:  # restarted: end what the killed predecessor left running
+            try:
+                orphans = await end_orphaned_executions(rt.bus, self.sink, run_id)
+            except Exception as exc:  # the trajectory still scores them once a group member ends
+                log.warning("could not end the executions of the previous rollout process: %r", exc)
+            else:
+                self.executions.counters.interrupted += len(orphans)
+                log.info("ended %d executions the previous rollout process left running", len(orphans))
         if cfg.num_tasks:
             self.executions.start(cfg.num_tasks, cfg.group_size)
         self.state = common_pb2.SERVICE_STATE_SERVING
