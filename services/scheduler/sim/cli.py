@@ -22,6 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--workload-file", help="YAML workload in the schema of docs/simulator.md")
     p.add_argument("--staleness-bound", type=int, help="override the workload's bound (async and elastic)")
     p.add_argument(
+        "--train-unfinished-after-s",
+        type=float,
+        help="partial progress: score unfinished executions this long after their group's first ended "
+        "(as trajectory.train_unfinished_after_s; every row but the paper baselines)",
+    )
+    p.add_argument(
         "--seeds", type=int, default=1, help="seeds to run (seed, seed+1, ...); ratios get a 95%% interval"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a short table)")
@@ -42,6 +48,9 @@ def main(argv: list[str]) -> int:
         w = load_workload_file(args.workload_file) if args.workload_file else builtin(args.workload)
         if args.staleness_bound is not None:
             w = w.model_validate({**w.model_dump(), "staleness_bound": args.staleness_bound})
+        if args.train_unfinished_after_s is not None:
+            sem = w.service.model_copy(update={"train_unfinished_after_s": args.train_unfinished_after_s})
+            w = w.model_validate({**w.model_dump(), "service": sem.model_dump()})
         if args.seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     except (ValueError, ValidationError, OSError) as exc:

@@ -11,6 +11,8 @@ Rows (every one runs the same sampled executions of a seed):
 
 Work: every row trains every batch; with partial progress a row may train fewer tokens of a cut
 execution, so each row reports `tokens_trained_per_step` and `generated_trained_share`.
+`makespan_lower_bound_s` (sim/bound.py) is the earliest end of the last step any policy can reach
+at the workload's bound; each row's `makespan_over_lower_bound` says how far above it the row ends.
 Ratios are time-per-step ratios (higher = Elastic faster), one per seed; `--seeds N` reports each as
 a mean with a 95% bootstrap interval (scipy.stats.bootstrap, BCa, 2,000 resamples, seeded).
 """
@@ -27,6 +29,7 @@ import yaml
 from scipy import stats
 
 from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Policy
+from services.scheduler.sim.bound import makespan_lower_bound_s
 from services.scheduler.sim.engine import SimResult, Simulation
 from services.scheduler.sim.sample import ExecutionPlan, sample_executions
 from services.scheduler.sim.workload import ServiceSemantics, Workload, load_workload_file
@@ -95,6 +98,7 @@ def sweep_async(w: Workload, coarse_points: int = 12) -> tuple[SimResult, int, d
 def _summary(r: SimResult) -> dict[str, Any]:
     return {
         "time_per_step_s": round(r.time_per_step_s, 1),
+        "makespan_s": round(r.step_done_s[-1], 1),
         "tokens_trained_per_step": round(r.tokens_trained_per_step),
         "generated_trained_share": round(r.generated_trained_share, 4),
         "device_utilization": round(r.device_utilization, 4),
@@ -115,6 +119,7 @@ class Comparison:
     results: dict[str, SimResult]
     best_async_units: int
     async_sweep: dict[int, float]
+    makespan_bound_s: float
 
     def ratios(self) -> dict[str, float]:
         """Elastic's speedups (time per step of the other / Elastic's) at this seed."""
@@ -149,6 +154,7 @@ class Comparison:
         out["engine_slots"] = c.extra["engine_slots"]
         out["devices_per_unit"] = w.devices_per_unit
         out["service"] = w.service.model_dump()
+        out["makespan_lower_bound_s"] = round(self.makespan_bound_s, 1)
         return out
 
 
@@ -164,7 +170,8 @@ def compare(w: Workload) -> Comparison:
         "paper_colocate": simulate(paper, ColocatePolicy()),
         "paper_async": simulate(paper, AsyncPolicy(half, staleness_bound=w.staleness_bound)),
     }
-    return Comparison(w, results, n, sweep)
+    execs, _ = _prepared(w)
+    return Comparison(w, results, n, sweep, makespan_lower_bound_s(w, execs, w.staleness_bound))
 
 
 def interval(values: list[float], seed: int = 0) -> dict[str, float]:
@@ -206,6 +213,17 @@ class SeedComparison:
             runs = [c.results[name] for c in self.per_seed]
             out[name] = {
                 "time_per_step_s": interval([r.time_per_step_s for r in runs]),
+                "makespan_over_lower_bound": round(
+                    float(
+                        np.mean(
+                            [
+                                r.step_done_s[-1] / c.makespan_bound_s
+                                for r, c in zip(runs, self.per_seed, strict=True)
+                            ]
+                        )
+                    ),
+                    3,
+                ),
                 "tokens_trained_per_step": round(float(np.mean([r.tokens_trained_per_step for r in runs]))),
                 "generated_trained_share": round(
                     float(np.mean([r.generated_trained_share for r in runs])), 4
