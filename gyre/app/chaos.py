@@ -19,8 +19,9 @@ trainer's final checkpoint:
     paths_trained_twice  paths of batches the trainer trained more than once
     double_leases        a device acquired by a holder while another holder's lease was not released,
                          or with an epoch not above the previous acquisition's
-    executions_lost      executions of a killed rollout process (started, no end event when it was
-                         killed) whose group was never scored: neither ended nor trained as partial
+    executions_lost      executions of a rollout process that died (killed here or exiting by itself;
+                         started, no end event when it died) whose group was never scored: neither
+                         ended nor trained as partial (executions_orphaned: all of them, scored or not)
     completed            the job reached its steps; `learned` (+ reward delta): the report's verdict
     trainer_bitwise_equal  the exactly-once probe (gyre.app.exactly_once): a trainer SIGKILLed and
                          restarted ends bitwise equal to an uninterrupted one fed the same batches
@@ -173,8 +174,8 @@ def count_double_leases(lease_events: list[dict[str, Any]]) -> int:
 
 
 def final_trainer_state(run_dir: Path) -> dict[str, Any]:
-    """state.json of the trainer's newest checkpoint under run_dir ({} if none)."""
-    states = sorted(run_dir.rglob("state.json"), key=lambda p: p.stat().st_mtime)
+    """state.json of the trainer's newest checkpoint (<run_dir>/trainer/checkpoints; {} if none)."""
+    states = sorted((run_dir / "trainer").rglob("state.json"), key=lambda p: p.stat().st_mtime)
     for path in reversed(states):
         try:
             data = json.loads(path.read_text())
@@ -216,7 +217,12 @@ def tally(run_dir: Path, final_stats: dict[str, Any], faults: list[Fault]) -> di
         ev["execution_id"]: ev for ev in by_type.get("ExecutionEvent", []) if ev.get("kind") == "KIND_STARTED"
     }
     scored = {ev["group_id"] for ev in by_type.get("GroupScoredEvent", [])}
-    kills = [f.injected_at for f in faults if f.target == "rollout" and f.injected_at]
+    # Every time a rollout process died: the injected kills and any other exit the supervisor saw.
+    restart_events = final_stats.get("launcher", {}).get("restart_events", [])
+    kills = sorted(
+        {f.injected_at for f in faults if f.target == "rollout" and f.injected_at}
+        | {float(r["exited_at"]) for r in restart_events if r.get("service") == "rollout"}
+    )
     orphaned = [
         eid
         for eid, ev in started.items()
