@@ -1,8 +1,9 @@
 """The worker side of the device pool: one lease client for every worker (rollout and trainer).
 
-    RegisterWorker (devices it brings) -> apply every lease in the reply
+    RegisterWorker (devices it brings) -> apply every lease in the reply     (in the background)
     LeaseEvents on gyre.leases.<run>.*  -> apply            (at-least-once, any order across devices)
-    Heartbeat every interval            -> apply every lease in the reply   (catch-up after a miss)
+    Heartbeat every interval            -> apply every lease in the reply   (catch-up after a miss;
+                                           in the background: a slow action never delays a beat)
     ReportLoad every interval           -> the worker's `load()` figures
 
 What a lease means for this worker (`decide`, pure):
@@ -35,8 +36,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol
 
 import grpc
 
@@ -107,12 +108,17 @@ class LeaseClient:
         *,
         devices: Sequence[common_pb2.Device] = (),
         address: str = "",
+        spawn: Callable[[Coroutine[Any, Any, Any], str], Any] | None = None,
     ) -> None:
+        """`spawn(coro, name)` runs background work (pass `Runtime.spawn`: a task that raises takes
+        the service down); default: a plain task whose exception is logged."""
         if service not in SERVICE_ROLE:
             raise ValueError(f"service must be one of {sorted(SERVICE_ROLE)}, got {service!r}")
         self.worker_id, self.service, self.role = worker_id, service, SERVICE_ROLE[service]
         self.stub, self.user, self.load = stub, user, load
         self.devices, self.address = list(devices), address
+        self.spawn = spawn or self._spawn_logged
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.epochs: dict[str, int] = {}  # newest epoch seen per device
         self.using_since: dict[str, int] = {}  # device in use -> epoch it was started under
         self._locks: dict[str, asyncio.Lock] = {}
@@ -134,7 +140,18 @@ class LeaseClient:
             )
         )
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
-        for lease in reply.leases:
+        self.catch_up(reply.leases)
+
+    def catch_up(self, leases: Sequence[common_pb2.Lease]) -> None:
+        """Apply the leases of a register / heartbeat reply in the background: starting an engine or
+        waiting for a rank to leave can take longer than the worker timeout, and the heartbeat must
+        not wait for it (per-device locks keep the actions in order). An error there (not a refusal,
+        which `apply` counts) fails the service through `spawn`."""
+        if leases:
+            self.spawn(self._apply_all(list(leases)), "lease-catch-up")
+
+    async def _apply_all(self, leases: list[common_pb2.Lease]) -> None:
+        for lease in leases:
             await self.apply(lease)
 
     async def on_events(self, events: list[events_pb2.LeaseEvent]) -> None:
@@ -224,8 +241,7 @@ class LeaseClient:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:  # a scheduler with a fresh store: join again
                     await self._register_quietly()
                 continue
-            for lease in reply.leases:
-                await self.apply(lease)
+            self.catch_up(reply.leases)
 
     async def report_load_forever(self, interval_s: float) -> None:
         """ReportLoad every `interval_s` seconds (first report at once: the plan loop waits for it)."""
@@ -237,6 +253,18 @@ class LeaseClient:
             except grpc.aio.AioRpcError:
                 self.num_refused += 1
             await asyncio.sleep(interval_s)
+
+    def _spawn_logged(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s failed", name, exc_info=t.exception())
+
+        task.add_done_callback(done)
+        return task
 
     async def _register_quietly(self) -> None:
         try:

@@ -252,6 +252,7 @@ class RolloutService(Service):
             self._load,
             devices=devices,
             address=f"127.0.0.1:{rt.port}",
+            spawn=rt.spawn,
         )
         await self.leases.register()
         await rt.bus.consume(

@@ -45,6 +45,19 @@ class SchedulerConfig(ConfigModel):
     grant_timeout_s: float = Field(
         30.0, gt=0, description="Seconds a grantee has to Acquire after GRANTED; then the device goes IDLE."
     )
+    role_change_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds one device needs to change role, as the elastic policy weighs a move. Unset: "
+        "measured in this run (median REASSIGN -> ACQUIRED time of the last 20 handoffs), 15 s until one "
+        "has completed.",
+    )
+    elastic_min_step_over_switch: float = Field(
+        20.0,
+        ge=0,
+        description="Elastic lends to (or spreads over) a trainer that already holds devices only when its "
+        "last step took more than this many role changes; 0 = every such move pays (moves every step).",
+    )
     default_engine_capacity: int = Field(
         4, ge=1, description="Executions one rollout device hosts, until a worker reports engine_capacity."
     )

@@ -287,13 +287,18 @@ def make_policy(
     staleness_bound: int = 1,
     num_rollout_devices: int | None = None,
     role_change_s: float = 15.0,
+    min_step_over_switch: float = 20.0,
 ) -> Policy:
     """Build a policy by name. `async` needs `num_rollout_devices` (its fixed split); `elastic`
     takes the seconds one device needs to change role (its moves must pay for them)."""
     if name == "colocate":
         return ColocatePolicy()
     if name == "elastic":
-        return ElasticPolicy(staleness_bound=staleness_bound, role_change_s=role_change_s)
+        return ElasticPolicy(
+            staleness_bound=staleness_bound,
+            role_change_s=role_change_s,
+            min_step_over_switch=min_step_over_switch,
+        )
     if name == "async":
         if num_rollout_devices is None:
             raise ValueError("policy 'async' needs num_rollout_devices (its fixed rollout split)")

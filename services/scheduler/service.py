@@ -19,7 +19,9 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -48,6 +50,7 @@ from services.scheduler.snapshot import pool_snapshot
 from services.scheduler.wire import device_from_pb, device_pb, lease_pb
 
 log = logging.getLogger("gyre.scheduler")
+DEFAULT_ROLE_CHANGE_S = 15.0  # until this run has timed a handoff
 T = TypeVar("T")
 
 
@@ -60,6 +63,8 @@ class SchedulerService(Service):
         self.loads: dict[str, scheduler_pb2.WorkerLoad] = {}
         self._publish_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
+        self._reassigned_at: dict[tuple[str, int], float] = {}  # handoff (device, epoch) -> REASSIGN time
+        self.handoff_s: collections.deque[float] = collections.deque(maxlen=20)  # recent handoff durations
 
     # --- lifecycle -----------------------------------------------------------------------------------
     async def start(self, rt: Runtime) -> None:
@@ -107,8 +112,19 @@ class SchedulerService(Service):
     def policy(self, num_devices: int) -> Policy:
         split = self.cfg.async_rollout_devices or max(1, num_devices // 2)
         return make_policy(
-            self.policy_name, staleness_bound=self.cfg.staleness_bound, num_rollout_devices=split
+            self.policy_name,
+            staleness_bound=self.cfg.staleness_bound,
+            num_rollout_devices=split,
+            role_change_s=self.role_change_s(),
+            min_step_over_switch=self.cfg.elastic_min_step_over_switch,
         )
+
+    def role_change_s(self) -> float:
+        """The configured role-change time, else the median of this run's recent handoffs
+        (REASSIGN -> ACQUIRED, seconds), else 15 s."""
+        if self.cfg.role_change_s is not None:
+            return self.cfg.role_change_s
+        return statistics.median(self.handoff_s) if self.handoff_s else DEFAULT_ROLE_CHANGE_S
 
     def snapshot(self) -> PoolSnapshot | None:
         """The pool as a policy sees it, or None while a live worker has not reported its load yet."""
@@ -150,9 +166,17 @@ class SchedulerService(Service):
             while rows := await self._db(self.store.unpublished, 500):
                 for _, device_id, payload in rows:
                     event = events_pb2.LeaseEvent.FromString(payload)
+                    self._time_handoff(event)
                     subject = subjects.leases(self.common.run_id, device_id)
                     await self.rt.bus.publish(subject, event, msg_id=event.event_id)
                 await self._db(self.store.mark_published, [seq for seq, _, _ in rows])
+
+    def _time_handoff(self, event: events_pb2.LeaseEvent) -> None:
+        key = (event.lease.device_id, event.lease.epoch)
+        if event.kind == events_pb2.LeaseEvent.KIND_REASSIGN:
+            self._reassigned_at[key] = event.created_unix_s
+        elif event.kind == events_pb2.LeaseEvent.KIND_ACQUIRED and key in self._reassigned_at:
+            self.handoff_s.append(event.created_unix_s - self._reassigned_at.pop(key))
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.to_thread(fn, *args)

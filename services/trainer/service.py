@@ -158,6 +158,7 @@ class TrainerService(Service):
             self.devices,
             self.load,
             address=f"127.0.0.1:{rt.port}",
+            spawn=rt.spawn,
         )
         await self.refresh_pool()
         await self.leases.register()
