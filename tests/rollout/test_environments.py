@@ -250,7 +250,7 @@ def fallback_levels() -> list[str]:
     """The isolation level of this machine plus the weaker fallbacks this process can also run."""
     from services.rollout.environments.sandbox import isolation
 
-    weaker = ["uid", "none"] if os.geteuid() == 0 else ["none"]
+    weaker = ["uid", "namespaces", "none"] if os.geteuid() == 0 else ["none"]
     return [isolation(), *[level for level in weaker if level != isolation()]]
 
 
