@@ -237,8 +237,8 @@ class OpenAIEndpoint:
     admin routes refused). `max_prompt_tokens`: prompt bound (tokens; strings are bounded by
     characters before tokenising). `max_request_bytes`: body bound. `execution_idle_s`: seconds
     without a call after which an execution is ended as TRUNCATED, checked every `reap_interval_s`
-    seconds. `public_url`: this server's
-    base URL (`http://host:port`), used in issued per-execution base URLs.
+    seconds. `public_url`: this server's base URL (`http://host:port`, set by `serve`), used in
+    issued per-execution base URLs.
     """
 
     def __init__(
