@@ -425,7 +425,8 @@ class Deployment:
         """Poll every process; restart what exited (see the module docstring)."""
         while not self._halt.wait(0.2):
             for server in list(self._embedded):
-                if server.pid is None and not self._halt.is_set():
+                kind = type(server).__name__.removeprefix("Embedded").lower()
+                if server.pid is None and kind not in self._gave_up and not self._halt.is_set():
                     self._restart_embedded(server)
             with self._lock:
                 procs = list(self._procs)
@@ -477,6 +478,9 @@ class Deployment:
         except DeploymentError as exc:
             record.error = str(exc).splitlines()[0]
             self._progress(f"restart of {proc.name} failed: {record.error}")
+            failed = self.process(proc.name)
+            if failed is not None:  # e.g. never became SERVING: not left running as a zombie
+                failed.stop(self.launcher.stop_grace_s)
             return  # the next poll sees it down again and counts another restart
         record.serving_at = time.time()
         with self._lock:
