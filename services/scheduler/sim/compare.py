@@ -234,6 +234,9 @@ class SeedComparison:
                 "num_migrations": round(float(np.mean([r.num_migrations for r in runs])), 1),
                 "num_preemptions": round(float(np.mean([r.num_preemptions for r in runs])), 1),
             }
+        colocate = [c.results["colocate"] for c in self.per_seed]
+        out["colocate"]["rollout_share"] = round(float(np.mean([r.rollout_share for r in colocate])), 4)
+        out["colocate"]["tail_share"] = round(float(np.mean([r.tail_share for r in colocate])), 4)
         out["best_async_rollout_devices"] = [c.best_async_units * w.devices_per_unit for c in self.per_seed]
         keys = list(self.per_seed[0].ratios())
         out["speedup"] = {k: interval([c.ratios()[k] for c in self.per_seed]) for k in keys}

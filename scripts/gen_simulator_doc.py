@@ -1,0 +1,164 @@
+"""Regenerate the figures of docs/simulator.md from the simulator itself.
+
+    .venv/bin/python scripts/gen_simulator_doc.py [--seeds 5] [--out docs/simulator.md] [--json-out F]
+    .venv/bin/python scripts/gen_simulator_doc.py --from-json F     # re-render without simulating
+
+Every workload (the built-ins and examples/workloads/*.yaml) runs as `gyre sim --workload W --json
+--seeds N` would; the sensitivity table reruns `mixed` (one seed) with each assumed [G] parameter at
+0.5x and 1.5x. The prose lives in this script, so the page and its numbers cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.scheduler.sim.compare import compare, compare_seeds  # noqa: E402
+from services.scheduler.sim.workload import BUILTIN_WORKLOADS, Workload, builtin, load_workload_file  # noqa: E402
+
+PARTIAL_CUTOFF_S = 3600.0  # [G] one hour after a group's first execution ended
+
+# Assumed [G] parameters of the cost model and workload, as (label, path into the workload dump).
+ASSUMED: list[tuple[str, tuple[str, ...]]] = [
+    ("bandwidth_efficiency", ("hardware", "bandwidth_efficiency")),
+    ("peak_flops (H200 dense BF16)", ("hardware", "peak_flops")),
+    ("host_bandwidth_bytes_s", ("hardware", "host_bandwidth_bytes_s")),
+    ("kv_memory_reserve", ("hardware", "kv_memory_reserve")),
+    ("train_mfu", ("costs", "train_mfu")),
+    ("prefill_mfu", ("costs", "prefill_mfu")),
+    ("elastic_role_change_s", ("costs", "elastic_role_change_s")),
+    ("planning_context_share", ("costs", "planning_context_share")),
+    ("train_microbatch_tokens", ("costs", "train_microbatch_tokens")),
+    ("context_median_tokens (swe-agent)", ("domains", "1", "context_median_tokens")),
+    ("execution_env_scale_sigma (swe-agent)", ("domains", "1", "execution_env_scale_sigma")),
+]
+
+
+def _scaled(w: Workload, path: tuple[str, ...], factor: float) -> Workload | None:
+    data: Any = w.model_dump()
+    node = data
+    for key in path[:-1]:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    value = node[path[-1]] * factor
+    if path[-1] in ("bandwidth_efficiency", "train_mfu", "prefill_mfu"):
+        value = min(1.0, value)
+    if path[-1] == "kv_memory_reserve":
+        value = min(0.9, value)
+    node[path[-1]] = value
+    try:
+        return Workload.model_validate(data)
+    except ValueError:
+        return None
+
+
+def _workloads() -> list[tuple[str, Workload]]:
+    out = [(f"--workload {name}", builtin(name)) for name in BUILTIN_WORKLOADS]
+    for f in sorted((ROOT / "examples" / "workloads").glob("*.yaml")):
+        out.append((f"--workload-file examples/workloads/{f.name}", load_workload_file(f)))
+    # Gyre's partial-progress scoring on the paper's setting (tokens trained reported beside it).
+    x = builtin("xlong")
+    sem = x.service.model_copy(update={"train_unfinished_after_s": PARTIAL_CUTOFF_S})
+    out.append(
+        (
+            f"--workload xlong --train-unfinished-after-s {PARTIAL_CUTOFF_S:.0f}",
+            x.model_copy(update={"service": sem}),
+        )
+    )
+    return out
+
+
+def compute(seeds: int) -> dict[str, Any]:
+    """Every figure of the page: per workload the `gyre sim --json --seeds N` object, and the
+    sensitivity ratios of `mixed` at 0.5x / 1.5x of each assumed parameter."""
+    runs = []
+    for cmd, w in _workloads():
+        out = compare_seeds(w, seeds).to_json()
+        out["command"] = f"gyre sim {cmd} --json --seeds {seeds}"
+        runs.append(out)
+        print(out["command"], out["speedup"]["vs_best_baseline"], flush=True)
+    base = builtin("mixed")
+    sens: dict[str, Any] = {"reference": compare(base).ratios(), "rows": []}
+    for label, path in ASSUMED:
+        row: dict[str, Any] = {"parameter": label}
+        for factor in (0.5, 1.5):
+            w = _scaled(base, path, factor)
+            row[str(factor)] = None if w is None else compare(w).ratios()
+        sens["rows"].append(row)
+        print(row, flush=True)
+    return {"seeds": seeds, "runs": runs, "sensitivity": sens}
+
+
+def _fmt(v: dict[str, float]) -> str:
+    return f"{v['mean']:.2f} [{v['low']:.2f}, {v['high']:.2f}]"
+
+
+def _pair(r: dict[str, float] | None) -> str:
+    return "invalid (does not fit)" if r is None else f"{r['vs_best_baseline']:.3f} / {r['vs_colocate']:.3f}"
+
+
+def render(data: dict[str, Any]) -> str:
+    runs = data["runs"]
+    head = [
+        "| workload | vs best baseline | vs Colocate | vs swept Async | vs paper Colocate | vs paper Async "
+        "| Elastic s/step | generated tokens trained (Elastic / paper Async) | Elastic makespan / lower bound | best Async rollout devices per seed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for out in runs:
+        s, e = out["speedup"], out["elastic"]
+        name = out["workload"] + (
+            " + cut-off" if out["service"]["train_unfinished_after_s"] is not None else ""
+        )
+        head.append(
+            f"| {name} | {_fmt(s['vs_best_baseline'])} | {_fmt(s['vs_colocate'])} | {_fmt(s['vs_async'])} | "
+            f"{_fmt(s['vs_paper_colocate'])} | {_fmt(s['vs_paper_async'])} | {e['time_per_step_s']['mean']:,.0f} | "
+            f"{e['generated_trained_share']:.1%} / {out['paper_async']['generated_trained_share']:.1%} | "
+            f"{e['makespan_over_lower_bound']:.2f} | {out['best_async_rollout_devices']} |"
+        )
+    commands = "\n".join(out["command"] for out in runs)
+    plain = [r for r in runs if r["service"]["train_unfinished_after_s"] is None]
+    means = [r["speedup"]["vs_best_baseline"]["mean"] for r in plain]
+    summary = (
+        f"Over the {len(plain)} workloads at the live services' defaults (no cut-off), Elastic's speedup over the best "
+        f"baseline averages {sum(means) / len(means):.3f}x (per-workload means from {min(means):.3f}x to "
+        f"{max(means):.3f}x)."
+    )
+    sens = data["sensitivity"]
+    rows = [
+        "| assumed parameter (workload `mixed`, seed 0) | x0.5: vs best / vs Colocate | x1.5: vs best / vs Colocate |",
+        "|---|---|---|",
+        f"| (defaults) | {_pair(sens['reference'])} | {_pair(sens['reference'])} |",
+    ]
+    rows += [f"| {r['parameter']} | {_pair(r['0.5'])} | {_pair(r['1.5'])} |" for r in sens["rows"]]
+    template = (ROOT / "scripts" / "simulator_doc_template.md").read_text()
+    return (
+        template.replace("{{HEADLINE}}", "\n".join(head))
+        .replace("{{COMMANDS}}", commands)
+        .replace("{{SUMMARY}}", summary)
+        .replace("{{SENSITIVITY}}", "\n".join(rows))
+        .replace("{{SEEDS}}", str(data["seeds"]))
+        .replace("{{CUTOFF}}", f"{PARTIAL_CUTOFF_S:.0f}")
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--out", default=str(ROOT / "docs" / "simulator.md"))
+    p.add_argument("--json-out", help="also write every figure as JSON here")
+    p.add_argument("--from-json", help="render from a JSON written by --json-out instead of simulating")
+    args = p.parse_args()
+    data = json.loads(Path(args.from_json).read_text()) if args.from_json else compute(args.seeds)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(data, indent=1))
+    Path(args.out).write_text(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
