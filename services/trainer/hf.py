@@ -77,7 +77,6 @@ def write_tiny_llama(out: str | Path, seed: int = 0) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=1024,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
         tie_word_embeddings=False,
     )
     model = transformers.LlamaForCausalLM(config)
