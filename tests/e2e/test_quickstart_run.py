@@ -12,7 +12,6 @@ environment. Checks that the run completes and that what it produced is consiste
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -28,8 +27,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("scheduler", "trajectory", "trainer", "rollout")
 E2E_STEPS = 3
-
-_missing = [s for s in SERVICES if importlib.util.find_spec(f"services.{s}.__main__") is None]
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +56,6 @@ def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess
     return proc, run_dir
 
 
-@pytest.mark.skipif(
-    bool(_missing),
-    reason=f"service entry points missing: {', '.join(f'services.{s}.__main__' for s in _missing)}",
-)
 def test_quickstart_run_completes_with_consistent_events_trees_and_weights(
     quickstart_run: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:

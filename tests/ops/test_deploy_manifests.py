@@ -208,8 +208,7 @@ def test_services_find_each_other_through_their_own_address_fields(name: str, wh
     from gyre.app.launcher.config import service_config_model
 
     model = service_config_model(name)
-    if model is None:
-        pytest.skip(f"services/{name}/config.py does not exist yet")
+    assert model is not None, f"services/{name}/config.py has no config model"
     env = _compose_env(name) if where == "compose" else _k8s_env(name)
     overrides = _section_overrides(env)
     unknown = [f for (section, f) in overrides if section == name and f not in model.model_fields]

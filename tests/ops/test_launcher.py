@@ -9,7 +9,6 @@ its list from the config's `launcher.services`); the test says which in its outp
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -32,11 +31,10 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 GYRE = str(Path(sys.executable).with_name("gyre"))
 MARKER = "GYRE_TEST_LAUNCHER_MARKER"
-AVAILABLE = [s for s in SERVICE_ORDER if importlib.util.find_spec(f"services.{s}.__main__") is not None]
+AVAILABLE = list(SERVICE_ORDER)  # every service has a __main__: one that goes missing fails, never skips
 # Services without torch start in seconds; tests that are about process handling, not about the
 # services, use them so the suite stays within its time budget on a 2-core machine.
 LIGHT = [s for s in AVAILABLE if s in ("scheduler", "trajectory")] or AVAILABLE[:2]
-needs_services = pytest.mark.skipif(not AVAILABLE, reason="no service has a __main__ yet")
 
 
 def _marked(marker: str) -> list[psutil.Process]:
@@ -98,7 +96,6 @@ def _wait_for_file(path: Path, proc: subprocess.Popen[str], timeout_s: float) ->
         time.sleep(0.2)
 
 
-@needs_services
 def test_gyre_up_serves_health_status_and_metrics_then_stops_on_sigterm_without_orphans(
     tmp_path: Path,
 ) -> None:
@@ -147,7 +144,6 @@ def test_gyre_up_serves_health_status_and_metrics_then_stops_on_sigterm_without_
     assert down.returncode == 2
 
 
-@needs_services
 @pytest.mark.slow
 def test_gyre_up_check_starts_every_service_verifies_health_and_metrics_and_leaves_no_process_behind(
     tmp_path: Path,
@@ -174,7 +170,6 @@ def test_gyre_up_check_starts_every_service_verifies_health_and_metrics_and_leav
     assert leftovers == []
 
 
-@needs_services
 def test_a_service_that_dies_while_starting_fails_the_start_with_its_log_and_stops_the_rest(
     tmp_path: Path, nats_url: str, database_url: str
 ) -> None:
