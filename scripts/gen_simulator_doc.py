@@ -135,6 +135,42 @@ def render(data: dict[str, Any]) -> str:
         f"| (defaults) | {_pair(sens['reference'])} | {_pair(sens['reference'])} |",
     ]
     rows += [f"| {r['parameter']} | {_pair(r['0.5'])} | {_pair(r['1.5'])} |" for r in sens["rows"]]
+    xlong = next(r for r in plain if r["workload"] == "xlong")
+    cut = [
+        r for r in runs if r["workload"] == "xlong" and r["service"]["train_unfinished_after_s"] is not None
+    ]
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    below = [
+        f"{r['workload']} {r['speedup']['vs_best_baseline']['mean']:.3f}x"
+        for r in plain
+        if r["speedup"]["vs_best_baseline"]["mean"] < 0.98
+    ]
+    xs = xlong["speedup"]
+    status = [
+        f"- Elastic >= 0.98x of the best baseline on every workload (mean over seeds): {met(not below)}"
+        + (f"; below: {', '.join(below)}." if below else "."),
+        f"- Mean >= 1.2x over all workloads: {met(sum(means) / len(means) >= 1.2)} ({sum(means) / len(means):.3f}x).",
+        f"- xlong >= 2.0x vs Colocate at equal work: {met(xs['vs_colocate']['mean'] >= 2.0)} ({_fmt(xs['vs_colocate'])}).",
+        f"- Paper-baselines row on xlong >= 1.85x vs Colocate and >= 1.78x vs Async: "
+        f"{met(xs['vs_paper_colocate']['mean'] >= 1.85 and xs['vs_paper_async']['mean'] >= 1.78)} "
+        f"({_fmt(xs['vs_paper_colocate'])} and {_fmt(xs['vs_paper_async'])}).",
+    ]
+    for r in cut:
+        c = r["speedup"]
+        status.append(
+            f"- With the {r['service']['train_unfinished_after_s']:.0f} s cut-off on xlong (Elastic trains "
+            f"{r['elastic']['generated_trained_share']:.1%} of generated tokens, the paper rows 100%): "
+            f"{_fmt(c['vs_paper_colocate'])} vs paper Colocate, {_fmt(c['vs_paper_async'])} vs paper Async, "
+            f"{_fmt(c['vs_colocate'])} vs Colocate with the same cut-off."
+        )
+    co = xlong["colocate"]
+    calibration = (
+        f"rollout is {co['rollout_share']:.1%} of the step (target 70–90%), the last 10% of executions take "
+        f"{co['tail_share']:.1%} of rollout time (target >= 40%)."
+    )
     template = (ROOT / "scripts" / "simulator_doc_template.md").read_text()
     return (
         template.replace("{{HEADLINE}}", "\n".join(head))
@@ -143,6 +179,8 @@ def render(data: dict[str, Any]) -> str:
         .replace("{{SENSITIVITY}}", "\n".join(rows))
         .replace("{{SEEDS}}", str(data["seeds"]))
         .replace("{{CUTOFF}}", f"{PARTIAL_CUTOFF_S:.0f}")
+        .replace("{{STATUS}}", "\n".join(status))
+        .replace("{{CALIBRATION}}", calibration)
     )
 
 
