@@ -85,7 +85,9 @@ def endpoints_table(endpoints: object) -> object:
     for column in ("service", "gRPC", "metrics", "pid", "log"):
         table.add_column(column, overflow="fold")
     embedded = set(endpoints.embedded)
-    table.add_row("nats", endpoints.nats_url, "", "", "embedded" if "nats" in embedded else "external")
+    table.add_row(
+        "nats", _hide_password(endpoints.nats_url), "", "", "embedded" if "nats" in embedded else "external"
+    )
     table.add_row(
         "postgres",
         _hide_password(endpoints.database_url),
