@@ -1,8 +1,11 @@
-"""Shared helpers of the job tests: a SYNTHETIC event log generator (no services involved).
+"""Shared helpers of the job tests: a SYNTHETIC event log generator (no service process involved).
 
 The generator writes the events a run of `num_steps` trainer steps would publish: device leases
 moving between rollout and training, executions with steps (token versions), scored groups whose
-reward follows a chosen trend plus seeded noise, batches and weight publications.
+reward follows a chosen trend plus seeded noise, batches and weight publications. The lease events
+are not invented: the scheduler's own handoff state machine (services/scheduler/leases.py) makes
+them and its own encoder (services/scheduler/wire.py) turns them into LeaseEvents, so a report that
+reads them reads what a real run records. The other events are synthetic, and say so.
 """
 
 from __future__ import annotations
@@ -14,7 +17,11 @@ from pathlib import Path
 import pytest
 
 from gyre.app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
+from gyre.bus import subjects
 from gyre.v1 import common_pb2, events_pb2
+from services.scheduler.leases import DeviceInfo, LeaseBook, LeaseChange, MemoryLeaseStore
+from services.scheduler.policies import Role
+from services.scheduler.wire import lease_event
 
 T0 = 1_800_000_000.0
 
@@ -26,31 +33,36 @@ def write_synthetic_run(run_dir: Path, *, num_steps: int, reward_slope: float, s
     writer = EventLogWriter(path)
     run = "synthetic"
 
-    def lease(t: float, device: str, role: int, state: int, kind: int, epoch: int) -> None:
-        ev = events_pb2.LeaseEvent(
-            event_id=f"lease.{device}.{epoch}",
-            run_id=run,
-            kind=kind,
-            lease=common_pb2.Lease(device_id=device, role=role, state=state, epoch=epoch),
-            policy="elastic",
-            created_unix_s=t,
-        )
-        writer.write(to_record(ev, f"gyre.leases.{run}.{device}"))
+    # Lease events come from the scheduler's own code: its handoff state machine (LeaseBook, over
+    # the in-memory store the scheduler's tests use) and its event encoding (wire.lease_event).
+    book = LeaseBook(MemoryLeaseStore(), drain_timeout_s=60, grant_timeout_s=60, worker_timeout_s=3600)
 
-    ROLLOUT, TRAIN = common_pb2.DEVICE_ROLE_ROLLOUT, common_pb2.DEVICE_ROLE_TRAIN
-    ACTIVE, RELEASED = common_pb2.LEASE_STATE_ACTIVE, common_pb2.LEASE_STATE_RELEASED
-    for d in range(4):
-        lease(T0, f"cpu0-{d}", ROLLOUT if d < 3 else TRAIN, ACTIVE, events_pb2.LeaseEvent.KIND_REGISTERED, 1)
-    epoch = 1
+    def publish(changes: list[LeaseChange]) -> None:
+        for change in changes:
+            ev = lease_event(run, change)
+            writer.write(to_record(ev, subjects.leases(run, change.lease.device_id)))
+
+    rollout_devices = [DeviceInfo(f"cpu0-{d}", index=d) for d in range(3)]
+    publish(book.register_worker("rollout-0", "rollout", "127.0.0.1:1", rollout_devices, T0)[1])
+    publish(
+        book.register_worker("trainer-0", "trainer", "127.0.0.1:2", [DeviceInfo("cpu0-3", index=3)], T0)[1]
+    )
+
+    def move(device: str, to_role: Role, to_holder: str, holder: str, t: float) -> None:
+        """One whole handoff: reassign (policy elastic), the holder drains and releases, the grantee acquires."""
+        changes = book.reassign(device, to_role, to_holder, t, policy="elastic", reason="synthetic tail")
+        publish(changes)
+        epoch = changes[-1].lease.epoch
+        publish(book.release(holder, device, epoch, t + 0.2)[1])
+        publish(book.acquire(to_holder, device, epoch, t + 0.45)[1])  # 0.25 s switching (released/granted)
+
     for step in range(num_steps + 1):
         base = T0 + 10.0 * step
-        if step < num_steps:  # device 2 lent to training in the tail of every step, then returned
-            epoch += 1
-            lease(base + 6, "cpu0-2", ROLLOUT, RELEASED, events_pb2.LeaseEvent.KIND_RELEASED, epoch)
-            epoch += 1
-            lease(base + 6.5, "cpu0-2", TRAIN, ACTIVE, events_pb2.LeaseEvent.KIND_ACQUIRED, epoch)
-            epoch += 1
-            lease(base + 9.5, "cpu0-2", ROLLOUT, ACTIVE, events_pb2.LeaseEvent.KIND_ACQUIRED, epoch)
+        if (
+            step < num_steps
+        ):  # device 2 lent to training in the tail of every step, then returned (0.5 s switching)
+            move("cpu0-2", Role.TRAIN, "trainer-0", "rollout-0", base + 6)
+            move("cpu0-2", Role.ROLLOUT, "rollout-0", "trainer-0", base + 9)
         for g in range(4):
             task, group = f"t{step:03d}{g}", f"t{step:03d}{g}-g0"
             reward = min(1.0, max(0.0, 0.2 + reward_slope * step + rng.gauss(0, 0.05)))
