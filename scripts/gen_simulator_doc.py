@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.scheduler.sim.compare import compare, compare_seeds  # noqa: E402
+from services.scheduler.sim.compare import Comparison, SeedComparison, compare, with_seed  # noqa: E402
 from services.scheduler.sim.workload import BUILTIN_WORKLOADS, Workload, builtin, load_workload_file  # noqa: E402
 
 PARTIAL_CUTOFF_S = 3600.0  # [G] one hour after a group's first execution ended
@@ -73,24 +74,37 @@ def _workloads() -> list[tuple[str, Workload]]:
     return out
 
 
-def compute(seeds: int) -> dict[str, Any]:
+def _compare(w: Workload) -> Comparison:
+    c = compare(w)
+    for r in c.results.values():  # only the figures travel back from the worker
+        r.timeline, r.utilization_series, r.snapshots = [], [], []
+    return c
+
+
+def compute(seeds: int, workers: int) -> dict[str, Any]:
     """Every figure of the page: per workload the `gyre sim --json --seeds N` object, and the
-    sensitivity ratios of `mixed` at 0.5x / 1.5x of each assumed parameter."""
+    sensitivity ratios of `mixed` at 0.5x / 1.5x of each assumed parameter. Workload-seed pairs run
+    in `workers` processes; each is the same `compare` that `gyre sim` runs."""
+    jobs = _workloads()
+    tasks = [with_seed(w, w.seed + i) for _, w in jobs for i in range(seeds)]
+    base = builtin("mixed")
+    scaled = [(label, f, _scaled(base, path, f)) for label, path in ASSUMED for f in (0.5, 1.5)]
+    sens_tasks = [base] + [w for _, _, w in scaled if w is not None]
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        done = pool.map(_compare, tasks + sens_tasks, chunksize=1)
     runs = []
-    for cmd, w in _workloads():
-        out = compare_seeds(w, seeds).to_json()
+    for j, (cmd, w) in enumerate(jobs):
+        out = SeedComparison(w, done[j * seeds : (j + 1) * seeds]).to_json()
         out["command"] = f"gyre sim {cmd} --json --seeds {seeds}"
         runs.append(out)
         print(out["command"], out["speedup"]["vs_best_baseline"], flush=True)
-    base = builtin("mixed")
-    sens: dict[str, Any] = {"reference": compare(base).ratios(), "rows": []}
-    for label, path in ASSUMED:
-        row: dict[str, Any] = {"parameter": label}
-        for factor in (0.5, 1.5):
-            w = _scaled(base, path, factor)
-            row[str(factor)] = None if w is None else compare(w).ratios()
-        sens["rows"].append(row)
-        print(row, flush=True)
+    sens_done = iter(done[len(tasks) :])
+    sens: dict[str, Any] = {"reference": next(sens_done).ratios(), "rows": []}
+    rows: dict[str, dict[str, Any]] = {}
+    for label, f, w in scaled:
+        row = rows.setdefault(label, {"parameter": label})
+        row[str(f)] = None if w is None else next(sens_done).ratios()
+    sens["rows"] = list(rows.values())
     return {"seeds": seeds, "runs": runs, "sensitivity": sens}
 
 
@@ -187,11 +201,14 @@ def render(data: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--workers", type=int, default=2, help="processes (each runs whole workload-seed pairs)")
     p.add_argument("--out", default=str(ROOT / "docs" / "simulator.md"))
     p.add_argument("--json-out", help="also write every figure as JSON here")
     p.add_argument("--from-json", help="render from a JSON written by --json-out instead of simulating")
     args = p.parse_args()
-    data = json.loads(Path(args.from_json).read_text()) if args.from_json else compute(args.seeds)
+    data = (
+        json.loads(Path(args.from_json).read_text()) if args.from_json else compute(args.seeds, args.workers)
+    )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(data, indent=1))
     Path(args.out).write_text(render(data))

@@ -8,10 +8,11 @@ handoff (reassign -> drain -> release -> grant -> acquire).
 
 Guarantees every policy keeps:
 - It never asks for a device that is already moving (`DeviceState.moving`) to move again.
-- It never plans fewer rollout devices than the live executions need (`engine_capacity` slots
-  each), so a handoff never has to abort a live execution: in-flight generations are migrated.
+- Elastic never plans fewer rollout devices than its resident executions occupy (`engine_capacity`
+  slots each), so a handoff never has to abort a live execution: in-flight generations are
+  migrated (or parked until an engine has room).
 - Staleness is bounded by admission, not by the plan: a batch may start generating only once
-  `may_start_batch` allows it, and `queued_generations` counts admissible work only. Async and
+  `may_start_batch` allows it, and the live executions it counts are admitted ones only. Async and
   Elastic are built with the same bound; Colocate is synchronous (bound 0) by construction.
 """
 

@@ -160,3 +160,20 @@ def test_service_semantics_default_to_what_the_live_services_do() -> None:
         True,
         None,
     )
+
+
+def test_every_command_in_the_simulator_doc_parses_and_names_a_real_workload() -> None:
+    from services.scheduler.sim.cli import _parser
+    from services.scheduler.sim.workload import BUILTIN_WORKLOADS
+
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "simulator.md").read_text()
+    assert "scripts/gen_simulator_doc.py" in doc  # generated, not pasted
+    commands = [line.strip() for line in doc.splitlines() if line.strip().startswith("gyre sim ")]
+    assert len(commands) >= 8
+    for cmd in commands:
+        args = _parser().parse_args(cmd.split("#")[0].split()[2:])
+        if args.workload_file:
+            assert (root / args.workload_file).is_file(), cmd
+        else:
+            assert args.workload in BUILTIN_WORKLOADS, cmd

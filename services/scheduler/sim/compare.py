@@ -71,7 +71,7 @@ def elastic_policy(w: Workload) -> ElasticPolicy:
     return ElasticPolicy(staleness_bound=w.staleness_bound, role_change_s=w.costs.elastic_role_change_s)
 
 
-def sweep_async(w: Workload, coarse_points: int = 12) -> tuple[SimResult, int, dict[int, float]]:
+def sweep_async(w: Workload, coarse_points: int = 8) -> tuple[SimResult, int, dict[int, float]]:
     """Search the fixed split (rollout units 1..units-1): every split when there are at most
     `coarse_points`, else an evenly spaced grid refined around the best point down to single units.
     Returns the best run, its rollout-unit count and the time per step of every split tried."""
