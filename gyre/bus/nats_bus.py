@@ -16,7 +16,11 @@ Guarantees (see gyre/bus/subjects.py for each stream):
   retry of the same event is dropped by the stream, while a message published first under a guessed
   id cannot make the stream drop the real event. A consumer counts (``num_conflicting_ids``) an event
   id it sees again with a different payload, and delivers both.
-* ``Bus.dead_letter`` is how a handler refuses an invalid message: the original payload goes to
+* A handler that raises InvalidArgument refuses a message for good: the batch is handed over again
+  one message at a time, and each message the handler still refuses is dead-lettered and
+  terminated (the others acked, or redelivered on any other error). Any other exception means
+  "not now": the batch is redelivered.
+* ``Bus.dead_letter`` is how a handler refuses an invalid message itself: the original payload goes to
   ``gyre.dead.<run>.<service>`` with its reason, a counter per reason code, a rate-limited log line.
 """
 
@@ -284,6 +288,10 @@ class Consumer(Generic[M]):
         keepalive = asyncio.create_task(self._extend_deadline(good))
         try:
             await self._handler(decoded)
+        except InvalidArgument:
+            # The handler says some message can never be handled: find which, one at a time.
+            await self._one_by_one(good, decoded)
+            return
         except Exception:
             self.stats.num_handler_errors += 1
             attempt = max(m.metadata.num_delivered for m in good)
@@ -306,6 +314,38 @@ class Consumer(Generic[M]):
             await msg.ack()
         self.stats.num_acked += len(good)
         CONSUMED.labels(self.durable, "ack").inc(len(good))
+
+    async def _one_by_one(self, msgs: list[Msg], decoded: list[M]) -> None:
+        """Hand each message of a refused batch to the handler alone (handlers are idempotent, so what
+        the batch call already did is harmless): acked if it passes, dead-lettered and terminated if
+        the handler raises InvalidArgument for it, nak'ed (redelivered) on any other error."""
+        for msg, item in zip(msgs, decoded, strict=True):
+            try:
+                await self._handler([item])
+            except InvalidArgument as exc:
+                await self._bus.dead_letter(
+                    msg.subject,
+                    msg.data,
+                    self._msg_type.DESCRIPTOR.full_name,
+                    "refused_by_handler",
+                    f"consumer {self.durable}: {exc}",
+                )
+                await msg.term()
+                self.stats.num_terminated += 1
+                CONSUMED.labels(self.durable, "term").inc()
+            except Exception:
+                self.stats.num_handler_errors += 1
+                delay = min(self._nak_delay_s * 2 ** (msg.metadata.num_delivered - 1), self._max_nak_delay_s)
+                log.exception(
+                    "consumer %s: handler failed on one message; redelivering in %.2f s", self.durable, delay
+                )
+                await msg.nak(delay=delay)
+                self.stats.num_naked += 1
+                CONSUMED.labels(self.durable, "nak").inc()
+            else:
+                await msg.ack()
+                self.stats.num_acked += 1
+                CONSUMED.labels(self.durable, "ack").inc()
 
     async def _extend_deadline(self, msgs: list[Msg]) -> None:
         while True:
@@ -659,7 +699,12 @@ class Bus:
             try:
                 yield msg_type.FromString(data)
             except DecodeError:
-                log.warning("tail: skipped undecodable message on %s (%d bytes)", subject, len(data))
+                _DEAD_LOG.log(
+                    "tail:undecodable",
+                    "tail: skipped undecodable message on %s (%d bytes)",
+                    subject,
+                    len(data),
+                )
 
     async def tail_raw(
         self, subject_filter: str, *, from_start: bool = False

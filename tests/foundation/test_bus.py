@@ -216,3 +216,35 @@ async def test_connecting_to_a_port_without_nats_is_unavailable_not_a_hang() -> 
 
     with pytest.raises(Unavailable, match="cannot connect to NATS"):
         await Bus.connect(f"nats://127.0.0.1:{free_port()}", name="test", connect_wait_s=1.0)
+
+
+async def test_a_message_the_handler_refuses_is_dead_lettered_and_its_batch_mates_are_handled(
+    bus: Bus, run_id: str
+) -> None:
+    """A handler raising InvalidArgument for one message: the batch is retried one by one, the bad
+    message goes to the dead-letter stream (never redelivered), the good ones are handled and acked."""
+    for seq in range(4):
+        await bus.publish(subjects.steps(run_id, "t1"), _step(run_id, seq), msg_id=f"{run_id}.e1.{seq}")
+    handled: list[int] = []
+
+    async def refuses_seq_2(msgs: list[events_pb2.StepEvent]) -> None:
+        if any(m.call_seq == 2 for m in msgs):
+            raise InvalidArgument("call 2 can never be handled")
+        handled.extend(m.call_seq for m in msgs)
+
+    consumer = await bus.consume(
+        subjects.steps(run_id, "*"),
+        events_pb2.StepEvent,
+        refuses_seq_2,
+        durable=f"{run_id}-refuse",
+        batch_size=8,
+    )
+    await _until(lambda: consumer.stats.num_acked + consumer.stats.num_terminated >= 4)
+    await consumer.stop()
+    assert sorted(handled) == [0, 1, 3]
+    assert (consumer.stats.num_acked, consumer.stats.num_terminated, consumer.stats.num_naked) == (3, 1, 0)
+    assert bus.num_dead_letters["refused_by_handler"] == 1
+    info = await bus.js.stream_info(
+        "GYRE_DEAD_LETTERS", subjects_filter=subjects.dead_letters(run_id, "test")
+    )
+    assert (info.state.subjects or {}).get(subjects.dead_letters(run_id, "test")) == 1
