@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from gyre.errors import NotFound
 from gyre.v1 import events_pb2, trajectory_pb2
 from services.trajectory.config import TrajectoryConfig
-from services.trajectory.packing import PackedBatch, ScoredGroup, pack, select_groups
+from services.trajectory.packing import ScoredGroup, TreeBatch, pack, select_groups
 from services.trajectory.state import CommitQueue, GroupInfo, TrajectoryState
 from services.trajectory.store import TrajectoryStore, decode_chunks
 
@@ -75,7 +75,7 @@ class Batcher:
 
     async def _build(
         self, max_tokens: int, current_version: int | None, state: str, consumer: str = ""
-    ) -> PackedBatch | None:
+    ) -> TreeBatch | None:
         """Pack scored groups into a batch and persist it (lock held by caller)."""
         groups = self.state.groups
         fresh, stale = self._scored_groups(current_version)
@@ -138,7 +138,7 @@ class Batcher:
         self.batch_ready.set()
         return self._ready_event(packed)
 
-    def _ready_event(self, p: PackedBatch) -> events_pb2.BatchReadyEvent:
+    def _ready_event(self, p: TreeBatch) -> events_pb2.BatchReadyEvent:
         return events_pb2.BatchReadyEvent(
             event_id=f"batch.{p.batch_id}",
             run_id=self.run_id,
@@ -185,7 +185,7 @@ class Batcher:
             except TimeoutError:
                 pass
 
-    async def _announce(self, packed: PackedBatch) -> None:
+    async def _announce(self, packed: TreeBatch) -> None:
         """Publish the BatchReadyEvent of a batch built at pull time (those built by the poll loop are
         published there). A failed publish is logged and counted; the batch is still handed out."""
         if self.announce is None:
@@ -200,7 +200,7 @@ class Batcher:
 
     async def _pull_once(
         self, max_tokens: int, current: int | None, consumer: str
-    ) -> tuple[list[trajectory_pb2.BatchChunk], PackedBatch | None]:
+    ) -> tuple[list[trajectory_pb2.BatchChunk], TreeBatch | None]:
         """Chunks of a claimed batch and, when it was packed now, the batch (to announce)."""
         async with self.commits.lock:
             while True:

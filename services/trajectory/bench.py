@@ -1,6 +1,6 @@
 """`gyre bench trajectory --json`: tree vs flat vs interleaved tokens, dedup, reconstruct and ingest speed.
 
-Workload (services/trajectory/workload.py): groups of executions over a task prompt, each a long
+Workload (services/trajectory/synthetic.py): groups of executions over a task prompt, each a long
 agent loop with compaction, retries, identical early turns and some exact / near duplicates.
 Printed (one JSON object on stdout; progress on stderr):
 
@@ -61,7 +61,7 @@ def _trees_and_roundtrip(execs: list[Any]) -> tuple[dict[str, Any], float, bool]
 
 
 def _bench_steps(groups: int, group_size: int, seed: int, *, compact: bool) -> list[Any]:
-    from services.trajectory.workload import WorkloadConfig, compact_step_events, generate, step_event
+    from services.trajectory.synthetic import WorkloadConfig, compact_step_events, generate, step_event
 
     execs = generate(WorkloadConfig(num_groups=groups, group_size=group_size, seed=seed))
     if compact:
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from services.trajectory.grouping import score_group
     from services.trajectory.scoring import Ending, Outcome, ProgressScorer
     from services.trajectory.scoring import ProgressSignals as Prog
-    from services.trajectory.workload import WorkloadConfig, generate, interleaved_tokens, xlong_execution
+    from services.trajectory.synthetic import WorkloadConfig, generate, interleaved_tokens, xlong_execution
 
     cfg = WorkloadConfig(num_groups=args.groups, group_size=args.group_size, seed=args.seed)
     out: dict[str, Any] = {"executions": cfg.num_groups * cfg.group_size}
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress.advance(t)
 
         t = progress.add_task("xlong: 300 calls, ~700K tokens", total=1)
-        from services.trajectory.workload import GeneratedExecution
+        from services.trajectory.synthetic import GeneratedExecution
 
         xcalls = xlong_execution()
         xex = GeneratedExecution("tx", "tx-g0", "tx-g0-e0", calls=xcalls)

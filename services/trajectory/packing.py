@@ -52,7 +52,10 @@ class ScoredGroup:
 
 
 @dataclass(slots=True)
-class PackedBatch:
+class TreeBatch:
+    """A batch of packed trees as the trajectory service stores and sends it (BatchChunks for the
+    wire); the trainer turns the chunks into tensors (services/trainer/batch.py `PackedBatch`)."""
+
     batch_id: str
     chunks: list[trajectory_pb2.BatchChunk]
     group_ids: list[str]
@@ -102,9 +105,7 @@ def select_groups(
     return chosen
 
 
-def pack(
-    trees: dict[str, TaskTree], groups: list[ScoredGroup], *, batch_id: str | None = None
-) -> PackedBatch:
+def pack(trees: dict[str, TaskTree], groups: list[ScoredGroup], *, batch_id: str | None = None) -> TreeBatch:
     """Pack the given groups (caller chose them with ``select_groups``) into one batch.
 
     A task whose selected executions hold no stored call contributes no chunk, so a selection
@@ -211,7 +212,7 @@ def pack(
     for i, c in enumerate(chunks):
         c.chunk_index = i
         c.last = i == len(chunks) - 1
-    return PackedBatch(
+    return TreeBatch(
         batch_id=batch_id,
         chunks=chunks,
         group_ids=[g.group_id for g in groups],

@@ -21,7 +21,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from gyre.store import session_scope
 from gyre.v1 import trajectory_pb2
 from services.trajectory import models as m
-from services.trajectory.packing import PackedBatch
+from services.trajectory.packing import TreeBatch
 from services.trajectory.tree import (
     LOGPROB_DTYPE,
     TOKEN_DTYPE,
@@ -301,7 +301,7 @@ class TrajectoryStore:
             )
 
     # ------------------------------------------------------------------ batches
-    def create_batch(self, packed: PackedBatch, state: str, consumer: str = "") -> None:
+    def create_batch(self, packed: TreeBatch, state: str, consumer: str = "") -> None:
         """Persist a batch and claim its groups and paths; raises IntegrityError if any was already claimed."""
         now = time.time()
         with session_scope(self.engine) as s:

@@ -26,7 +26,7 @@ from services.trainer.data import TrajectoryBatchSource
 from services.trainer.loop import Trainer
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.service import TrajectoryService
-from services.trajectory.workload import WorkloadConfig, end_event, generate, step_event
+from services.trajectory.synthetic import WorkloadConfig, end_event, generate, step_event
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "trajectory" / "migrations"
 

@@ -26,7 +26,7 @@ from gyre.service import Runtime
 from gyre.v1 import common_pb2, events_pb2, trajectory_pb2, trajectory_pb2_grpc
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.service import TrajectoryService
-from services.trajectory.workload import WorkloadConfig, end_event, generate, step_event
+from services.trajectory.synthetic import WorkloadConfig, end_event, generate, step_event
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "trajectory" / "migrations"
 VOCAB = 512

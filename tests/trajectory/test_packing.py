@@ -9,8 +9,8 @@ import numpy as np
 from services.trajectory.grouping import score_group
 from services.trajectory.packing import PackedExecution, ScoredGroup, pack, select_groups, trainable_tokens
 from services.trajectory.scoring import Ending, Outcome, ProgressScorer, ProgressSignals
+from services.trajectory.synthetic import WorkloadConfig, generate
 from services.trajectory.tree import TaskTree
-from services.trajectory.workload import WorkloadConfig, generate
 
 SMALL = WorkloadConfig(
     num_groups=2,

@@ -21,7 +21,7 @@ from gyre.service import Runtime
 from gyre.v1 import common_pb2, events_pb2, trajectory_pb2, trajectory_pb2_grpc
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.service import TrajectoryService
-from services.trajectory.workload import WorkloadConfig, end_event, generate, step_event
+from services.trajectory.synthetic import WorkloadConfig, end_event, generate, step_event
 
 pytestmark = pytest.mark.integration
 
@@ -263,7 +263,7 @@ async def test_unknown_batch_and_execution_are_not_found(nats_url, database_url)
 
 
 async def test_compact_steps_rebuild_exact_prompts_and_wait_for_their_base_call(nats_url, database_url):
-    from services.trajectory.workload import compact_step_events
+    from services.trajectory.synthetic import compact_step_events
 
     run_id = unique_run()
     ex = generate(TINY)[0]
@@ -324,7 +324,9 @@ async def test_groups_older_than_the_staleness_bound_are_dropped_not_trained(nat
         await wait_for(lambda: _has(run, "groups_scored"))
         # The trainer is at version 10 once it published it (a version never published is clamped).
         weights = common_pb2.WeightVersion(version=10, uri="file:///w/v10")
-        event = events_pb2.WeightsPublishedEvent(event_id=f"weights.{run_id}.10", run_id=run_id, weights=weights)
+        event = events_pb2.WeightsPublishedEvent(
+            event_id=f"weights.{run_id}.10", run_id=run_id, weights=weights
+        )
         await run.bus.publish(subjects.weights(run_id), event, msg_id=event.event_id)
         await wait_for(lambda: _has(run, "latest_weights_version"))
         assert await pull(run, wait_s=0.2, current_version=10) == []  # tokens are version 0
@@ -452,7 +454,7 @@ async def test_a_group_with_nothing_to_train_is_skipped_and_pulled_batches_are_a
     nats_url, database_url
 ):
     from gyre.v1 import events_pb2
-    from services.trajectory.workload import GeneratedCall, GeneratedExecution
+    from services.trajectory.synthetic import GeneratedCall, GeneratedExecution
 
     run_id = unique_run()
     # Only the poll loop's own batches would otherwise be announced: keep it from building any.

@@ -182,7 +182,7 @@ def test_mismatched_completion_arrays_are_rejected_with_a_clear_error():
 
 def test_full_prompts_inserted_from_the_previous_call_build_the_same_tree_as_from_the_root():
     from services.trajectory.ingest import shared_with_previous_call
-    from services.trajectory.workload import WorkloadConfig, generate
+    from services.trajectory.synthetic import WorkloadConfig, generate
 
     cfg = WorkloadConfig(
         num_groups=1, group_size=3, task_prompt_tokens=64, num_turns=9, generated_tokens=8,

@@ -1,4 +1,4 @@
-"""Generated branching agent workload (for the benchmark and tests).
+"""Synthetic branching agent executions (for the benchmark and tests; not a scheduler workload).
 
 Each execution is an agent loop over a task prompt: every turn the policy generates an action and
 the environment answers with an observation appended to the context. Histories branch the way
