@@ -120,6 +120,7 @@ class Trainer:
         self.step_lock = asyncio.Lock()
         self.boundary = asyncio.Condition()  # notified after every boundary
         self.parked = False  # waiting at a boundary for a device
+        self.looping = False  # run() is active (it applies device changes at its boundaries)
         self.boundary_hooks: list[Callable[[], Awaitable[None]]] = []  # awaited at every boundary
         self.step_in_progress = False
         self.micro_left = 0  # micro-batches of the current step not trained yet
@@ -143,8 +144,10 @@ class Trainer:
         """Return once the group's ranks are the devices last set (a released device is free)."""
         async with self.boundary:
             await self.boundary.wait_for(
-                lambda: self.stopping or set(self.dp.device_ids) <= set(self.dp.wanted)
+                lambda: not self.looping or set(self.dp.device_ids) <= set(self.dp.wanted)
             )
+        if not self.looping and not self.dp.settled():  # no loop to reach a boundary: apply here
+            await asyncio.to_thread(self.dp.apply)
 
     async def at_boundary(self) -> None:
         """A micro-batch boundary: apply the devices held; with none, wait (never train)."""
@@ -195,22 +198,28 @@ class Trainer:
         """Train until stopped or `max_steps` optimizer steps (this call's or cfg.max_steps) are done."""
         await self.ack_covered()
         limit = max_steps or self.cfg.max_steps
-        while not self.stopping and not (limit and self.state.step >= limit):
-            await self.at_boundary()
-            if self.stopping:
-                break
-            batch = await self.next_batch()
-            if batch is None:
-                continue
-            async with self.step_lock:  # SaveCheckpoint waits for the step boundary
-                try:
-                    metrics = await self.train_step(batch)
-                except StepAbandoned:
-                    break  # not acked: the journal replays the batch after a restart
-                await self.publish_weights(metrics)
-                if self.state.step % self.cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
-                    await self.ack_covered()
+        self.looping = True
+        try:
+            while not self.stopping and not (limit and self.state.step >= limit):
+                await self.at_boundary()
+                if self.stopping:
+                    break
+                batch = await self.next_batch()
+                if batch is None:
+                    continue
+                async with self.step_lock:  # SaveCheckpoint waits for the step boundary
+                    try:
+                        metrics = await self.train_step(batch)
+                    except StepAbandoned:
+                        break  # not acked: the journal replays the batch after a restart
+                    await self.publish_weights(metrics)
+                    if self.state.step % self.cfg.checkpoint_every == 0:
+                        self.save_checkpoint()
+                        await self.ack_covered()
+        finally:
+            self.looping = False
+            async with self.boundary:
+                self.boundary.notify_all()  # a release waiting for a boundary applies it itself
 
     async def next_batch(self) -> PackedBatch | None:
         resume = self.replay.pop(0) if self.replay else ""
