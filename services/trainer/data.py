@@ -33,8 +33,10 @@ log = logging.getLogger("gyre.trainer.data")
 QUARANTINED = Counter("gyre_trainer_batches_quarantined_total", "Batches the trainer refused to train")
 # trained_at_version of an AckBatch that drops the batch (trajectory.proto).
 DROPPED = -1
-# Seconds a PullBatch is retried while the trajectory service is unavailable (e.g. being restarted).
+# Seconds a PullBatch is retried while the trajectory service is unavailable (e.g. being restarted);
+# CANCELLED is what a call in flight gets when the trajectory process shuts down.
 UNAVAILABLE_RETRY_S = 60.0
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 class BatchSource(Protocol):
@@ -137,13 +139,21 @@ class TrajectoryBatchSource:
                         break
                 break
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if resume_batch_id and exc.code() in (
+                    grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                ):
+                    log.warning("batch %s cannot be resumed (%s): skipped", resume_batch_id, exc.details())
+                    return None  # not this trainer's to replay (another consumer's, or never built)
+                if exc.code() not in RETRYABLE:
                     raise
                 if time.monotonic() > deadline:
                     raise Unavailable(f"trajectory service: {exc.details()}") from exc
                 log.warning(
                     "trajectory unavailable (%s); retrying PullBatch in %.1f s", exc.details(), delay_s
                 )
+                if chunks and not req.resume_batch_id:  # a batch handed to us arrived in part: ask for it
+                    req.resume_batch_id = chunks[0].batch_id
                 await asyncio.sleep(delay_s)
                 delay_s = min(5.0, delay_s * 2)
         if not chunks:

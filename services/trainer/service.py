@@ -139,11 +139,49 @@ class TrainerService(Service):
             Trainer, self.cfg, self.common.run_dir, source, sink, self.common.seed
         )
         self.devices = TrainDevices(self.trainer)
+        await self._adopt_unreceived_batches(rt.bus, source)
         trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(self), rt.server)
         if self.cfg.scheduler_address is not None:
             await self._join_pool(rt)
         rt.spawn(self.trainer.run(), "train-loop")
         self.state = common_pb2.SERVICE_STATE_SERVING
+
+    async def _adopt_unreceived_batches(self, bus: Bus, source: TrajectoryBatchSource) -> None:
+        """Replay, after the journal, every batch the trajectory service announced that this trainer
+        has neither trained (checkpoint), journaled nor quarantined: a predecessor killed between
+        the hand-out of a batch and its journal write would otherwise leave it delivered and never
+        trained. Each is pulled again by id (one that is another consumer's is skipped)."""
+        import contextlib
+
+        subject = subjects.paths_batch(self.common.run_id)
+        stream = subjects.stream_for(subject).name
+        info = await bus.js.stream_info(stream, subjects_filter=subject)
+        if not sum((info.state.subjects or {}).values()):
+            return
+        announced: list[str] = []
+        sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True)
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=5.0)
+                except TimeoutError:
+                    break
+                announced.append(events_pb2.BatchReadyEvent.FromString(msg.data).batch_id)
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        known = {
+            *self.trainer.state.trained_batch_ids,
+            *self.trainer.journal.pulled_batch_ids,
+            *self.trainer.replay,
+            *source.quarantined,
+        }
+        adopted = [b for b in dict.fromkeys(announced) if b not in known]
+        if adopted:
+            log.warning("replaying %d batches handed out but never journaled: %s", len(adopted), adopted)
+            self.trainer.replay += adopted
 
     async def _join_pool(self, rt: Runtime) -> None:
         """Become a worker of the pool: no device until the scheduler grants one."""
