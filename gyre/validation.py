@@ -1,5 +1,6 @@
-"""Checks of a StepEvent's content, run where it is produced (rollout) and where it is consumed
-(trajectory), so one definition of "valid" holds at both ends.
+"""Checks of a StepEvent's (and an ExecutionEvent's, `execution_problem`) content, run where it is
+produced (rollout) and where it is consumed (trajectory), so one definition of "valid" holds at
+both ends.
 
 `step_problem` returns None for a valid step, or a `Problem`: a short `code` (the label of the
 dead-letter counter) and a one-line `reason` naming the field and the value. It checks:
@@ -9,6 +10,7 @@ dead-letter counter) and a one-line `reason` naming the field and the value. It 
   `max_tokens` tokens in the prompt plus completion;
 * vocabulary: every prompt and completion token id in ``[0, vocab_size)`` (when `vocab_size` is set);
 * log-probs: finite and ``<= 0`` (natural log; up to 1e-3 above 0 is float noise and passes);
+* progress signals: tests fraction in [0, 1], milestones reached <= total, extra values finite;
 * versions: every completion version ``>= 0`` and, when `latest_version` is set, not ahead of it by
   more than `max_version_lead`. A step ahead by at most that lead is not invalid but *early*
   (`is_early`): the consumer has not seen that weights event yet and retries it later.
@@ -19,11 +21,12 @@ job after these checks passed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from gyre.v1 import events_pb2
+from gyre.v1 import common_pb2, events_pb2
 
 # Largest prompt + completion of one call, in tokens (the design's long-horizon ceiling is ~1M per rollout).
 MAX_STEP_TOKENS = 2_000_000
@@ -92,6 +95,8 @@ def step_problem(
                 f"{where}: completion version {int(versions.max())} is ahead of the latest published "
                 f"weights version {latest_version} (by more than {max_version_lead})",
             )
+    if step.HasField("progress"):
+        return _progress_problem(step.progress, where)
     return None
 
 
@@ -99,3 +104,48 @@ def is_early(step: events_pb2.StepEvent, latest_version: int) -> bool:
     """True if a (valid) step carries a version newer than `latest_version`: its weights event has
     not reached this consumer yet, so it should be retried rather than stored or refused."""
     return bool(len(step.completion_versions)) and max(step.completion_versions) > latest_version
+
+
+def _progress_problem(p: common_pb2.ProgressSignal, where: str) -> Problem | None:
+    if p.HasField("tests_passed_fraction") and not 0.0 <= p.tests_passed_fraction <= 1.0:
+        return Problem(
+            "bad_progress", f"{where}: tests_passed_fraction {p.tests_passed_fraction} is not in [0, 1]"
+        )
+    if (p.milestones_total or p.milestones_reached) and not 0 <= p.milestones_reached <= max(
+        p.milestones_total, 0
+    ):
+        return Problem(
+            "bad_progress",
+            f"{where}: milestones_reached={p.milestones_reached} must lie in [0, milestones_total={p.milestones_total}]",
+        )
+    for name, value in p.extra.items():
+        if not math.isfinite(value):
+            return Problem(
+                "bad_progress", f"{where}: progress.extra[{name!r}] is {value!r}; it must be finite"
+            )
+    return None
+
+
+def execution_problem(
+    event: events_pb2.ExecutionEvent, *, reward_range: tuple[float, float] | None = None
+) -> Problem | None:
+    """None if an ExecutionEvent is valid, else the first Problem: ids present, a known kind,
+    ``num_calls >= 0``, a finite reward (inside `reward_range` when given) and sane progress signals
+    (fraction in [0, 1], milestones reached <= total, extra values finite)."""
+    where = f"execution event {event.event_id or event.execution_id or '?'}"
+    for name in ("run_id", "task_id", "group_id", "execution_id"):
+        if not getattr(event, name):
+            return Problem("missing_id", f"{where}: {name} is empty")
+    if event.kind not in events_pb2.ExecutionEvent.Kind.values():
+        return Problem("bad_kind", f"{where}: unknown kind {event.kind}")
+    if event.num_calls < 0:
+        return Problem("bad_num_calls", f"{where}: num_calls must be >= 0")
+    if event.HasField("reward"):
+        if not math.isfinite(event.reward):
+            return Problem("bad_reward", f"{where}: reward {event.reward!r} is not finite")
+        if reward_range is not None and not reward_range[0] <= event.reward <= reward_range[1]:
+            return Problem(
+                "bad_reward",
+                f"{where}: reward {event.reward} is outside [{reward_range[0]}, {reward_range[1]}]",
+            )
+    return _progress_problem(event.progress, where)

@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 from gyre.bus import Bus, subjects
 from gyre.errors import GyreError, InvalidArgument, PayloadTooLarge
 from gyre.v1 import events_pb2
-from gyre.validation import Problem, step_problem
+from gyre.validation import Problem, execution_problem, step_problem
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,25 @@ class BusStepSink:
         await self._queue.put((subject, event, event.event_id))
 
     async def publish_execution(self, event: events_pb2.ExecutionEvent) -> None:
-        await self._queue.put((subjects.executions(event.run_id, event.task_id), event, event.event_id))
+        """Queue `event` for the execution stream, or dead-letter it if it is invalid."""
+        problem = execution_problem(event)
+        try:
+            subject = subjects.executions(event.run_id, event.task_id)
+        except InvalidArgument as exc:
+            problem = problem or Problem("bad_subject_token", str(exc))
+            subject = subjects.executions("unknown", "unknown")
+        if problem is not None:
+            self.num_invalid += 1
+            await self.bus.dead_letter(
+                subject,
+                event.SerializeToString(),
+                "gyre.v1.ExecutionEvent",
+                problem.code,
+                problem.reason,
+                service="rollout",
+            )
+            return
+        await self._queue.put((subject, event, event.event_id))
 
     @property
     def num_buffered(self) -> int:

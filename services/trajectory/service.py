@@ -210,7 +210,10 @@ class TrajectoryService(Service):
             raise Unavailable(f"{summary.num_waiting} compact steps wait for their base call; retrying")
 
     async def _on_executions(self, msgs: list[events_pb2.ExecutionEvent]) -> None:
-        assert self.core is not None
+        assert self.core is not None and self.gate is not None
+        # Invalid events are dead-lettered here and still handed to ingest, which refuses them too
+        # and keeps them in traj_rejections (the run's own record, next to its trees).
+        await self.gate.split_executions(msgs)
         await self.core.ingest_executions(msgs)
 
     async def poll_once(self) -> None:

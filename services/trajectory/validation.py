@@ -2,7 +2,9 @@
 PullBatch's version may say. Kept apart from the ingest and batching code so that it reads (and
 changes) on its own.
 
-Steps (from NATS or IngestSteps) pass `StepGate.split` before ingest:
+Execution events pass `StepGate.split_executions`: invalid ones are dead-lettered (ingest then
+refuses them again and records them in traj_rejections). Steps (from NATS or IngestSteps) pass
+`StepGate.split` before ingest:
 
 * invalid under gyre.validation (vocabulary, log-probs, lengths, ids, versions far ahead...): refused,
   copied to the dead-letter stream with the reason (``Bus.dead_letter``: counter per code,
@@ -27,9 +29,9 @@ from dataclasses import dataclass, field
 
 from gyre.bus import subjects
 from gyre.bus.nats_bus import RateLimitedLog
-from gyre.errors import PermissionDenied
+from gyre.errors import InvalidArgument, PermissionDenied
 from gyre.v1 import events_pb2
-from gyre.validation import Problem, is_early, step_problem
+from gyre.validation import Problem, execution_problem, is_early, step_problem
 from services.trajectory.config import TrajectoryConfig
 
 log = logging.getLogger("gyre.trajectory.validation")
@@ -93,6 +95,32 @@ class StepGate:
                 out.valid.append(step)
         return out
 
+    async def split_executions(
+        self, events: Sequence[events_pb2.ExecutionEvent]
+    ) -> list[events_pb2.ExecutionEvent]:
+        """The valid execution events of `events`; the others are dead-lettered (gyre.validation's
+        execution_problem with the run's reward range, and the run id)."""
+        valid = []
+        for ev in events:
+            problem = execution_problem(ev, reward_range=(self.cfg.reward_min, self.cfg.reward_max))
+            if problem is None and ev.run_id != self.run_id:
+                problem = Problem(
+                    "wrong_run", f"execution event {ev.event_id!r} belongs to run {ev.run_id!r}"
+                )
+            if problem is None:
+                valid.append(ev)
+                continue
+            self.counters[f"executions_dead_lettered_{problem.code}"] += 1
+            if self.dead_letter is not None:
+                try:
+                    subject = subjects.executions(ev.run_id or self.run_id, ev.task_id or "unknown")
+                except InvalidArgument:
+                    subject = subjects.executions(self.run_id, "unknown")
+                await self.dead_letter(
+                    subject, ev.SerializeToString(), "gyre.v1.ExecutionEvent", problem.code, problem.reason
+                )
+        return valid
+
     def check_consumer(self, consumer: str) -> None:
         """PermissionDenied unless `consumer` is a registered trainer worker."""
         if consumer not in self.cfg.trainer_workers:
@@ -131,5 +159,5 @@ def _subject_of(step: events_pb2.StepEvent, run_id: str) -> str:
     """The steps subject of `step`, or of run_id's unknown task when its ids are not subject tokens."""
     try:
         return subjects.steps(step.run_id or run_id, step.task_id or "unknown")
-    except Exception:
+    except InvalidArgument:
         return subjects.steps(run_id, "unknown")

@@ -227,3 +227,23 @@ async def test_a_step_from_a_future_weights_version_waits_for_that_version(
 
 async def _has(run: Running, name: str, at_least: float) -> bool:
     return await _stat(run, name) >= at_least
+
+
+async def test_an_execution_event_with_a_nan_reward_is_dead_lettered_and_its_group_still_trains(
+    running: tuple[Running, str],
+) -> None:
+    run, run_id = running
+    execs = [ex for ex in generate(TINY) if ex.group_id == generate(TINY)[0].group_id]
+    for ex in execs:
+        for c in ex.calls:
+            ev = step_event(run_id, c)
+            await run.bus.publish(subjects.steps(run_id, ev.task_id), ev, msg_id=ev.event_id)
+    bad = end_event(run_id, execs[0])
+    bad.reward = float("nan")
+    await run.bus.publish(subjects.executions(run_id, bad.task_id), bad, msg_id="nan")
+    await _until(lambda: _has(run, "executions_dead_lettered_bad_reward", 1))
+    for ex in execs:  # the real endings, the first one corrected
+        ev = end_event(run_id, ex)
+        await run.bus.publish(subjects.executions(run_id, ev.task_id), ev, msg_id=ev.event_id)
+    await _until(lambda: _has(run, "groups_scored", 1))
+    assert await _pull(run, wait_s=5.0)

@@ -141,3 +141,32 @@ async def test_an_undecodable_message_is_dead_lettered_by_the_consumer_and_the_r
         assert (info.state.subjects or {}).get(subjects.dead_letters(run_id, "trajectory")) == 1
     finally:
         await bus.close()
+
+
+def test_execution_events_and_progress_signals_are_checked_with_the_same_codes() -> None:
+    from gyre.v1 import common_pb2
+    from gyre.validation import execution_problem
+
+    def ending(**changes: object) -> events_pb2.ExecutionEvent:
+        ev = events_pb2.ExecutionEvent(
+            event_id="end.e1", run_id="r", task_id="t1", group_id="g1", execution_id="e1", kind=2, reward=0.5
+        )
+        for name, value in changes.items():
+            setattr(ev, name, value)
+        return ev
+
+    assert execution_problem(ending(), reward_range=(0.0, 1.0)) is None
+    nan = execution_problem(ending(reward=math.nan))
+    assert nan is not None and nan.code == "bad_reward"
+    high = execution_problem(ending(reward=7.0), reward_range=(0.0, 1.0))
+    assert high is not None and high.code == "bad_reward" and "outside [0.0, 1.0]" in high.reason
+    assert execution_problem(ending(kind=99)) is not None
+    assert execution_problem(ending(num_calls=-1)) is not None
+    lying = ending()
+    lying.progress.CopyFrom(common_pb2.ProgressSignal(milestones_reached=5, milestones_total=2))
+    problem = execution_problem(lying)
+    assert problem is not None and problem.code == "bad_progress"
+    step = _step()
+    step.progress.CopyFrom(common_pb2.ProgressSignal(tests_passed_fraction=1.5))
+    problem = step_problem(step, vocab_size=512)
+    assert problem is not None and problem.code == "bad_progress"
