@@ -28,6 +28,7 @@ import itertools
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,10 +67,9 @@ class LearningSettings:
     lr: float = 3e-3
     clip_eps: float = 0.2
     clip_eps_high: float = 0.28
-    entropy_coef: float = 0.01
-    entropy_target: float = -1.0  # < 0: none
-    drop_zero_variance: int = 0
-    normalise_std: int = 1
+    entropy_coef: float = 0.1
+    entropy_target: float = 0.5  # nats; < 0: no floor
+    normalise_std: int = 0  # GRPO's division by the group's reward std (quickstart: off)
     temperature: float = 1.0
     max_turns: int = 8
     num_actions: int = 4
@@ -91,7 +91,11 @@ class IterationReport:
     metrics: dict[str, float] = field(default_factory=dict)  # the trainer step's (entropy, kl, ...)
 
 
-async def run_learning(s: LearningSettings, work_dir: Path | None = None) -> list[IterationReport]:
+async def run_learning(
+    s: LearningSettings,
+    work_dir: Path | None = None,
+    on_report: Callable[[IterationReport], None] | None = None,
+) -> list[IterationReport]:
     """Sample, score, pack, train, reload weights; one report per iteration (deterministic per seed)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # same float summation order on every machine: a fixed seed gives one result
@@ -128,15 +132,14 @@ async def run_learning(s: LearningSettings, work_dir: Path | None = None) -> lis
                 sink, outcomes = await sample_groups(engine, agent_cfg, family, tasks, it, s)
                 trees = build_trees(tasks, sink)
                 groups = score_groups(tasks, trees, sink, it, bool(s.normalise_std))
-                keep = [g.group for g in groups if not (s.drop_zero_variance and g.stats.std <= 1e-9)]
-                metrics = {}
-                if keep:
-                    batch = from_chunks(pack(trees, keep).chunks)
-                    metrics = train_on_shard(
-                        model, optimizer, batch, loss_settings, ref_model, cfg.grad_clip, lambda m: None
-                    )
+                batch = from_chunks(pack(trees, [g.group for g in groups]).chunks)
+                metrics = train_on_shard(
+                    model, optimizer, batch, loss_settings, ref_model, cfg.grad_clip, lambda m: None
+                )
                 await publish_weights(model, engine, out_dir, version=it + 1)
                 reports.append(iteration_report(it, outcomes, sink, groups, metrics))
+                if on_report is not None:
+                    on_report(reports[-1])
         finally:
             await engine.close()
             torch.set_num_threads(threads)
@@ -239,15 +242,18 @@ def main() -> None:
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
     s = LearningSettings(**vars(p.parse_args()))
     t0 = time.perf_counter()
-    reports = asyncio.run(run_learning(s))
-    for r in reports:
+
+    def show(r: IterationReport) -> None:
         m = r.metrics
         print(
             f"iter {r.iteration:3d} reward {r.mean_reward:.3f} oracle {r.oracle_reward:.2f} "
             f"zero-var {r.zero_variance_fraction:.2f} entropy {m.get('entropy', 0):.3f} "
             f"kl {m.get('kl_behaviour', 0):.4f} clip {m.get('clip_fraction', 0):.3f} "
             f"grad-norm {m.get('grad_norm', 0):.3f}",
+            flush=True,
         )
+
+    reports = asyncio.run(run_learning(s, on_report=show))
     tail = reports[-max(1, len(reports) // 5) :]
     last = statistics.fmean(r.mean_reward for r in tail)
     oracle = statistics.fmean(r.oracle_reward for r in tail)

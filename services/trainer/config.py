@@ -43,7 +43,7 @@ class TrainerConfig(ConfigModel):
         ),
     )
     entropy_coef: float = Field(
-        default=0.01,
+        default=0.1,
         ge=0,
         description=(
             "Weight of the entropy bonus (nats, full-vocabulary entropy at each trained token, "
@@ -51,7 +51,7 @@ class TrainerConfig(ConfigModel):
         ),
     )
     entropy_target: float | None = Field(
-        default=None,
+        default=0.5,
         ge=0,
         description=(
             "Entropy floor (nats): the bonus counts min(entropy, entropy_target) per token, so it "

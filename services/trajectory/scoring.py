@@ -159,18 +159,26 @@ class GroupStats:
     advantages: list[float]  # one per member, in input order
 
 
+ZERO_VARIANCE_SPREAD = 1e-9  # rewards closer than this are the same reward
+
+
 def group_advantages(
     rewards: Sequence[float], *, normalise_std: bool = True, eps: float = 1e-6
 ) -> GroupStats:
     """GRPO advantages: (r - mean) / (std + eps) over *every* member (duplicates included).
 
     Pass one reward per execution (not per deduplicated path), so multiplicity is counted; the
-    advantage of a merged path is then the mean of its members' advantages.
+    advantage of a merged path is then the mean of its members' advantages. A group whose rewards
+    all agree (zero variance: every member scored alike) gets advantages of exactly 0, not float
+    noise amplified by 1/eps: it carries no learning signal (the run report counts such groups;
+    many of them while the reward is below the oracle's is a stall).
     """
     n = len(rewards)
     if n == 0:
         return GroupStats(0.0, 0.0, [])
     mean = sum(rewards) / n
+    if max(rewards) - min(rewards) <= ZERO_VARIANCE_SPREAD:
+        return GroupStats(mean, 0.0, [0.0] * n)
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
     scale = (std + eps) if normalise_std else 1.0
     return GroupStats(mean, std, [(r - mean) / scale for r in rewards])
