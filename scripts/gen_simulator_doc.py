@@ -4,8 +4,9 @@
     .venv/bin/python scripts/gen_simulator_doc.py --from-json F     # re-render without simulating
 
 Every workload (the built-ins and examples/workloads/*.yaml) runs as `gyre sim --workload W --json
---seeds N` would; the sensitivity table reruns `mixed` (one seed) with each assumed [G] parameter at
-0.5x and 1.5x. The prose lives in this script, so the page and its numbers cannot drift apart.
+--seeds N` would; the sensitivity table reruns `small` (its seed) with each assumed [G] parameter at
+0.5x and 1.5x. `--cache DIR` keeps each workload-seed result so an interrupted run resumes;
+`--partial` renders only what is cached (each workload then says how many seeds it got). The prose lives in this script, so the page and its numbers cannot drift apart.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from services.scheduler.sim.compare import Comparison, SeedComparison, compare, with_seed  # noqa: E402
 from services.scheduler.sim.workload import BUILTIN_WORKLOADS, Workload, builtin, load_workload_file  # noqa: E402
 
+SENSITIVITY_WORKLOAD = "small.yaml"  # seconds per run: 22 runs stay cheap on a 2-core machine
 PARTIAL_CUTOFF_S = 3600.0  # [G] one hour after a group's first execution ended
 
 # Assumed [G] parameters of the cost model and workload, as (label, path into the workload dump).
@@ -36,8 +39,8 @@ ASSUMED: list[tuple[str, tuple[str, ...]]] = [
     ("elastic_role_change_s", ("costs", "elastic_role_change_s")),
     ("planning_context_share", ("costs", "planning_context_share")),
     ("train_microbatch_tokens", ("costs", "train_microbatch_tokens")),
-    ("context_median_tokens (swe-agent)", ("domains", "1", "context_median_tokens")),
-    ("execution_env_scale_sigma (swe-agent)", ("domains", "1", "execution_env_scale_sigma")),
+    ("context_median_tokens", ("domains", "0", "context_median_tokens")),
+    ("execution_env_scale_sigma", ("domains", "0", "execution_env_scale_sigma")),
 ]
 
 
@@ -81,24 +84,56 @@ def _compare(w: Workload) -> Comparison:
     return c
 
 
-def compute(seeds: int, workers: int) -> dict[str, Any]:
+def _cached(cache: Path | None, key: str, w: Workload) -> Comparison:
+    """`_compare(w)`, kept on disk under `cache` so an interrupted regeneration resumes."""
+    if cache is None:
+        return _compare(w)
+    f = cache / (key.replace("/", "_") + ".pkl")
+    if f.exists():
+        return pickle.loads(f.read_bytes())
+    c = _compare(w)
+    f.write_bytes(pickle.dumps(c))
+    return c
+
+
+def _task(args: tuple[Path | None, str, Workload]) -> Comparison:
+    return _cached(*args)
+
+
+def compute(seeds: int, workers: int, cache: Path | None, partial: bool = False) -> dict[str, Any]:
     """Every figure of the page: per workload the `gyre sim --json --seeds N` object, and the
-    sensitivity ratios of `mixed` at 0.5x / 1.5x of each assumed parameter. Workload-seed pairs run
+    sensitivity ratios of `small` at 0.5x / 1.5x of each assumed parameter. Workload-seed pairs run
     in `workers` processes; each is the same `compare` that `gyre sim` runs."""
     jobs = _workloads()
-    tasks = [with_seed(w, w.seed + i) for _, w in jobs for i in range(seeds)]
-    base = builtin("mixed")
+    tasks = [
+        (cache, f"{cmd} seed {w.seed + i}", with_seed(w, w.seed + i)) for cmd, w in jobs for i in range(seeds)
+    ]
+    base = load_workload_file(ROOT / "examples" / "workloads" / SENSITIVITY_WORKLOAD)
     scaled = [(label, f, _scaled(base, path, f)) for label, path in ASSUMED for f in (0.5, 1.5)]
-    sens_tasks = [base] + [w for _, _, w in scaled if w is not None]
+    sens_tasks = [(cache, "sensitivity reference", base)] + [
+        (cache, f"sensitivity {label} x{f}", w) for label, f, w in scaled if w is not None
+    ]
+    # Cheapest first, so that what finishes first is whole workloads.
+    order = sorted(
+        range(len(tasks)),
+        key=lambda i: tasks[i][2].num_units * len(tasks[i][2].domains) * tasks[i][2].num_steps,
+    )
+    queue = sens_tasks + [tasks[i] for i in order]
+    if partial:  # render what an interrupted run finished; say how many seeds each workload got
+        queue = [t for t in queue if t[0] is not None and (t[0] / (t[1].replace("/", "_") + ".pkl")).exists()]
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        done = pool.map(_compare, tasks + sens_tasks, chunksize=1)
+        results = dict(zip([t[1] for t in queue], pool.map(_task, queue, chunksize=1), strict=True))
     runs = []
-    for j, (cmd, w) in enumerate(jobs):
-        out = SeedComparison(w, done[j * seeds : (j + 1) * seeds]).to_json()
-        out["command"] = f"gyre sim {cmd} --json --seeds {seeds}"
+    for cmd, w in jobs:
+        got = [results[t[1]] for t in tasks if t[1].startswith(f"{cmd} seed ") and t[1] in results]
+        if not got:
+            print(f"not run: {cmd}", flush=True)
+            continue
+        out = SeedComparison(w, got).to_json()
+        out["command"] = f"gyre sim {cmd} --json --seeds {len(got)}"
         runs.append(out)
         print(out["command"], out["speedup"]["vs_best_baseline"], flush=True)
-    sens_done = iter(done[len(tasks) :])
+    sens_done = iter(results[t[1]] for t in sens_tasks)
     sens: dict[str, Any] = {"reference": next(sens_done).ratios(), "rows": []}
     rows: dict[str, dict[str, Any]] = {}
     for label, f, w in scaled:
@@ -144,7 +179,7 @@ def render(data: dict[str, Any]) -> str:
     )
     sens = data["sensitivity"]
     rows = [
-        "| assumed parameter (workload `mixed`, seed 0) | x0.5: vs best / vs Colocate | x1.5: vs best / vs Colocate |",
+        f"| assumed parameter (`{SENSITIVITY_WORKLOAD}`, its seed) | x0.5: vs best / vs Colocate | x1.5: vs best / vs Colocate |",
         "|---|---|---|",
         f"| (defaults) | {_pair(sens['reference'])} | {_pair(sens['reference'])} |",
     ]
@@ -204,10 +239,14 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2, help="processes (each runs whole workload-seed pairs)")
     p.add_argument("--out", default=str(ROOT / "docs" / "simulator.md"))
     p.add_argument("--json-out", help="also write every figure as JSON here")
+    p.add_argument("--cache", help="directory keeping each workload-seed result (resumes an interrupted run)")
+    p.add_argument("--partial", action="store_true", help="with --cache: render only what is cached")
     p.add_argument("--from-json", help="render from a JSON written by --json-out instead of simulating")
     args = p.parse_args()
     data = (
-        json.loads(Path(args.from_json).read_text()) if args.from_json else compute(args.seeds, args.workers)
+        json.loads(Path(args.from_json).read_text())
+        if args.from_json
+        else compute(args.seeds, args.workers, Path(args.cache) if args.cache else None, args.partial)
     )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(data, indent=1))
