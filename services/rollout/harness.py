@@ -1,10 +1,9 @@
 """External harness mode (`rollout.harness: external`): every execution is one run of the user's agent.
 
     ExecutionManager.start_group -> for each execution: ExternalHarness.run(spec, env)
-        env.reset()                               -> the task (opening messages, task fields)
+        ExecutionEvent STARTED; env.reset()       -> the task (opening messages, task fields)
         issue_execution_endpoint(...)             -> (OPENAI_BASE_URL, OPENAI_API_KEY) of THIS execution
-        ExecutionEvent STARTED
-        launch `harness_command` (own process group, rlimits, cwd = the task's work directory)
+        launch `harness_command` as the sandbox user (own process group, rlimits, cwd = work directory)
             stdin: the task as one JSON object; the same JSON in the file $GYRE_TASK_FILE
             every model call it makes -> the OpenAI endpoint -> router -> StepEvent (call_seq 0..n-1)
         wait for its exit, at most `harness_timeout_s` (then SIGTERM, then SIGKILL to the whole group)
@@ -21,21 +20,26 @@ the right group. The agent's input contract (docs/rollout.md, "External harness"
                               "messages": [opening chat messages], "task": {task fields},
                               "workdir": cwd of the process}
     environment: OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL ("gyre"; any name is accepted),
-                 GYRE_TASK_FILE, GYRE_EXECUTION_ID (informational), PATH, HOME/TMPDIR (in workdir)
+                 GYRE_TASK_FILE, GYRE_EXECUTION_ID (informational), GYRE_SANDBOX (a kill marker),
+                 PATH (the interpreter's directory + system), HOME/TMPDIR (in workdir)
     exit status: 0 = the agent finished; anything else = the execution FAILED (stderr tail kept)
 
-Guarantees: one process (group) per execution, never reused; the group is killed when the agent
-exits or times out, so no child outlives its execution; the execution's final event is published
-by the endpoint as it closes, so its call count is final. Calls with the per-execution URL or
-key are accepted from issue to that end, i.e. while the agent runs and is scored. What it is not: a sandbox. The agent
-runs as the rollout's OS user with resource limits and a minimal environment (no GYRE_* variables,
-no proxies), with loopback network (it must reach the endpoint). Run the rollout service in a
-container for untrusted agents (docs/rollout.md).
+Guarantees: one process (group) per execution, never reused. The agent runs as a sandbox user
+(environments/sandbox.py's SandboxUser: a uid of its own when the service is root, through
+`setpriv --no-new-privs`; else the service's user with a marker in its environment), with
+rlimits and a minimal environment (no other GYRE_* variables, no proxies). When its first process
+ends (exit or timeout) every process of its group and of its sandbox user is killed, so no child -
+not even a `setsid` daemon - outlives the execution. The final event is published by the
+endpoint as it closes the execution, so its call count is final; the per-execution URL and key
+work from issue to that end (while the agent runs and is scored), never after. What it is not: a
+full sandbox. The agent keeps the host's network (it must reach the endpoint over loopback) and
+file system (what its uid may read); run the rollout in a container for untrusted agents.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -58,6 +62,7 @@ from gyre.v1 import events_pb2
 
 from .agent import ExecutionOutcome, ExecutionSpec
 from .environments.base import Action, Environment, Progress, StepResult, TaskFamily
+from .environments.sandbox import SandboxUser, kill_sandbox, sandbox_path
 from .steps import StepSink
 
 log = logging.getLogger(__name__)
@@ -127,6 +132,7 @@ class HarnessSettings:
     memory_bytes: int = 4 << 30
     cpu_s: int = 3600
     max_open_files: int = 1024
+    max_processes: int = 256
     max_output_bytes: int = 65536
     reward: str | None = None
 
@@ -269,11 +275,27 @@ class AgentRun:
         return self.exit_code is None
 
 
-def _limit_agent(settings: HarnessSettings) -> None:
-    """In the child between fork and exec: rlimits (the new session comes from start_new_session)."""
+def _limit_agent(settings: HarnessSettings, uid: int | None) -> None:
+    """In the child between fork and exec: rlimits (the new session comes from start_new_session).
+
+    RLIMIT_NPROC counts per real uid, so it is set only where the uid is the agent's own.
+    """
     resource.setrlimit(resource.RLIMIT_AS, (settings.memory_bytes, settings.memory_bytes))
     resource.setrlimit(resource.RLIMIT_CPU, (settings.cpu_s, settings.cpu_s))
     resource.setrlimit(resource.RLIMIT_NOFILE, (settings.max_open_files, settings.max_open_files))
+    if uid is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (settings.max_processes, settings.max_processes))
+
+
+def _as_user(argv: list[str], uid: int | None) -> list[str]:
+    """argv run as the sandbox uid through `setpriv` (no new privileges, no supplementary groups).
+
+    No network or PID namespace, unlike workspace commands: the agent must reach the endpoint.
+    """
+    if uid is None:
+        return argv
+    setpriv = shutil.which("setpriv") or "setpriv"
+    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--", *argv]
 
 
 def _kill_group(pid: int, sig: signal.Signals) -> None:
@@ -283,6 +305,15 @@ def _kill_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
+def _is_relative_file(base: Path, arg: str) -> bool:
+    if not arg or os.path.isabs(arg) or arg.startswith("-") or "\n" in arg:
+        return False
+    try:
+        return (base / arg).is_file()
+    except OSError:  # e.g. an inline script passed with -c: not a path
+        return False
+
+
 def resolve_command(command: list[str], base: Path | None = None) -> list[str]:
     """`{python}` -> this interpreter; an argument naming an existing file under `base` (the service's
     working directory) -> its absolute path, since the agent runs in its task's work directory."""
@@ -290,50 +321,76 @@ def resolve_command(command: list[str], base: Path | None = None) -> list[str]:
     out = []
     for arg in command:
         arg = arg.replace("{python}", sys.executable)
-        if arg and not os.path.isabs(arg) and (base / arg).is_file():
-            arg = str((base / arg).resolve())
-        out.append(arg)
+        out.append(str((base / arg).resolve()) if _is_relative_file(base, arg) else arg)
     return out
 
 
-async def run_agent(
-    argv: list[str], task_json: str, workdir: Path, env: dict[str, str], settings: HarnessSettings
-) -> AgentRun:
-    """Run the agent once: own session/process group, rlimits, stdin = the task, bounded by timeout_s.
+async def _read_tail(stream: asyncio.StreamReader | None, limit: int) -> bytes:
+    """Read `stream` to EOF keeping the last `limit` bytes (the rest is drained so the writer never blocks)."""
+    kept = b""
+    if stream is None:
+        return kept
+    while chunk := await stream.read(65536):
+        kept = (kept + chunk)[-limit:]
+    return kept
 
-    On timeout the group gets SIGTERM, then SIGKILL after `kill_grace_s`; after any exit the group
-    gets SIGKILL, so children the agent left behind die with its execution.
+
+async def run_agent(
+    argv: list[str],
+    task_json: str,
+    workdir: Path,
+    env: dict[str, str],
+    settings: HarnessSettings,
+    user: SandboxUser,
+) -> AgentRun:
+    """Run the agent once as `user`: own session and process group, rlimits, stdin = the task.
+
+    Bounded by `timeout_s`: then its group gets SIGTERM, and SIGKILL after `kill_grace_s`. When the
+    agent's first process is gone (exit or kill), every process of its group and of its sandbox user
+    (its uid, or its GYRE_SANDBOX marker) is SIGKILLed before this returns, so nothing it started -
+    not even a `setsid` daemon holding its output pipe - outlives the execution.
     """
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *argv,
+        *_as_user(argv, user.uid),
         cwd=str(workdir),
-        env=env,
+        env={**env, "GYRE_SANDBOX": user.marker},
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
-        preexec_fn=lambda: _limit_agent(settings),
+        preexec_fn=functools.partial(_limit_agent, settings, user.uid),
     )
     limit = settings.max_output_bytes
-    exit_code: int | None
+    readers = [asyncio.create_task(_read_tail(s, limit)) for s in (proc.stdout, proc.stderr)]
+    assert proc.stdin is not None
     try:
-        out, err = await asyncio.wait_for(proc.communicate(task_json.encode()), settings.timeout_s)
-        exit_code = proc.returncode
-    except TimeoutError:
+        proc.stdin.write(task_json.encode())
+        await proc.stdin.drain()
+        proc.stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # an agent that does not read its stdin
+    # Poll the exit status: proc.wait() would also wait for pipes a leftover child may hold (3.11).
+    deadline = started + settings.timeout_s
+    while proc.returncode is None and time.monotonic() < deadline:  # noqa: ASYNC110 - no exit event
+        await asyncio.sleep(0.05)
+    timed_out = proc.returncode is None
+    if timed_out:
         _kill_group(proc.pid, signal.SIGTERM)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), settings.kill_grace_s)
-        except TimeoutError:
-            _kill_group(proc.pid, signal.SIGKILL)
-            out, err = await proc.communicate()
-        exit_code = None
-    finally:
-        _kill_group(proc.pid, signal.SIGKILL)  # whatever the agent left running in its group
-        if proc.returncode is None:
-            await proc.wait()
-    decode = lambda b: b[-limit:].decode("utf-8", errors="replace")  # noqa: E731
-    return AgentRun(exit_code, decode(out or b""), decode(err or b""), time.monotonic() - started)
+        grace = time.monotonic() + settings.kill_grace_s
+        while proc.returncode is None and time.monotonic() < grace:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    _kill_group(proc.pid, signal.SIGKILL)
+    await asyncio.to_thread(kill_sandbox, user.uid, user.marker)
+    await proc.wait()
+    try:
+        out, err = await asyncio.wait_for(asyncio.gather(*readers), 5.0)
+    except TimeoutError:  # a process that escaped every kill still holds a pipe
+        out, err = b"", b"(output lost: a process of the agent outlived it and holds its pipes)"
+    decode = lambda b: b.decode("utf-8", errors="replace")  # noqa: E731
+    return AgentRun(
+        None if timed_out else proc.returncode, decode(out), decode(err), time.monotonic() - started
+    )
 
 
 # -- one execution ----------------------------------------------------------------------------
@@ -408,23 +465,28 @@ class ExternalHarness:
         await self.sink.publish_execution(self._started(spec, env.progress))
         out = ExecutionOutcome(kind=E.KIND_FAILED, num_calls=0, progress=env.progress)
         scratch: Path | None = None
+        own_user: SandboxUser | None = None
         issued = False
         try:
             messages = await env.reset()
-            ws = getattr(env, "ws", None)  # the workspace environment's directory is the agent's cwd
+            ws = getattr(env, "ws", None)  # the workspace environment: its directory and sandbox user
             if ws is not None:
-                workdir = Path(ws.root)
+                workdir, user = Path(ws.root), ws.user
             else:
+                user = own_user = SandboxUser()
                 workdir = scratch = Path(tempfile.mkdtemp(prefix=f"gyre-agent-{spec.execution_id}-"))
+                user.chown(workdir)
             tmp = workdir / ".tmp"
             tmp.mkdir(exist_ok=True)
+            user.chown(tmp)
             task_json = self._payload(spec, env, messages, workdir)
             task_file = tmp / "gyre_task.json"
             task_file.write_text(task_json)
+            user.chown(task_file)
             base_url, api_key = self.endpoints.issue(spec)
             issued = True
             child_env = {
-                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "PATH": sandbox_path(),
                 "HOME": str(workdir),
                 "TMPDIR": str(tmp),
                 "LANG": "C.UTF-8",
@@ -436,7 +498,7 @@ class ExternalHarness:
                 "GYRE_TASK_FILE": str(task_file),
                 "GYRE_EXECUTION_ID": spec.execution_id,
             }
-            run = await run_agent(self.argv, task_json, workdir, child_env, self.settings)
+            run = await run_agent(self.argv, task_json, workdir, child_env, self.settings, user)
             reward, out.progress = await self.score(env, json.loads(task_json)["task"], workdir, run)
             if run.timed_out:
                 out.kind = E.KIND_TRUNCATED  # the trajectory service scores it from its progress
@@ -458,6 +520,8 @@ class ExternalHarness:
             out.kind, out.error = E.KIND_FAILED, repr(exc)
         finally:
             await env.close()
+            if own_user is not None:
+                own_user.close()
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
         kind = E.Kind.Name(out.kind).removeprefix("KIND_").lower()  # type: ignore[arg-type]

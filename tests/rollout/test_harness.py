@@ -155,9 +155,9 @@ async def test_anonymous_calls_are_refused_with_how_to_name_the_execution_and_op
 
 
 AGENT_THAT_HANGS = """
-import os, subprocess, sys, time
+import subprocess, time
 child = subprocess.Popen(["sleep", "300"])
-open(sys.argv[1], "w").write(str(child.pid))
+print(child.pid, flush=True)
 time.sleep(300)
 """
 
@@ -166,24 +166,25 @@ async def test_an_agent_past_its_timeout_is_killed_with_its_children_and_truncat
     bus, sink, endpoint, port = stack
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"task_id": "hang", "prompt": "wait"}\n')
-    script, pid_file = tmp_path / "hang.py", tmp_path / "child.pid"
-    script.write_text(AGENT_THAT_HANGS)
+    seen: list[tuple[str, int | None]] = []
 
     def reward(task, workdir, output, exit_code):
-        assert exit_code is None  # timed out
+        seen.append((output, exit_code))
         return {"milestones_reached": 1, "milestones_total": 4}
 
     harness = ExternalHarness(
         OpenAIExecutions(endpoint),
         sink,
-        HarnessSettings(command=[sys.executable, str(script), str(pid_file)], timeout_s=3, kill_grace_s=1),
+        HarnessSettings(command=[sys.executable, "-c", AGENT_THAT_HANGS], timeout_s=3, kill_grace_s=1),
         reward,
     )
     s = spec("hang", "g0", 0)
     out = await harness.run(s, JsonTaskFamily.from_jsonl(tasks).make("hang"))
     assert out.kind == E.KIND_TRUNCATED and "timed out" in out.error
     assert out.progress.milestones_reached == 1  # partial progress travels with the truncated execution
-    child = int(pid_file.read_text())
+    output, exit_code = seen[0]
+    assert exit_code is None  # the reward function is told it timed out
+    child = int(output.split()[0])
     with pytest.raises(ProcessLookupError):  # reaped by its parent's group kill, or gone
         for _ in range(50):
             os.kill(child, 0)
@@ -204,3 +205,65 @@ async def test_a_failing_agent_fails_its_execution_with_its_stderr(stack, tmp_pa
     out = await harness.run(spec("boom", "g0", 0), JsonTaskFamily.from_jsonl(tasks).make("boom"))
     assert out.kind == E.KIND_FAILED and "no model for me" in out.error
     assert not endpoint.executions
+
+
+SOLVER = """
+import json, sys, pathlib
+task = json.load(sys.stdin)
+assert "tests" not in task["task"] and "solution" not in task["task"], "hidden parts leaked"
+pathlib.Path("textstats.py").write_text({source!r})
+"""
+FULL = "def word_count(t):\n    return len(t.split())\n\n\ndef char_histogram(t):\n    out = {}\n    for c in t:\n        if not c.isspace():\n            out[c] = out.get(c, 0) + 1\n    return out\n"
+HALF = "def word_count(t):\n    return len(t.split())\n\n\ndef char_histogram(t):\n    return {}\n"
+
+
+@pytest.mark.parametrize("source,fraction", [(FULL, 1.0), (HALF, 0.5)])
+async def test_without_a_reward_function_the_workspace_tests_score_the_files_the_agent_left(
+    stack, tmp_path, source, fraction
+) -> None:
+    from services.rollout.environments.workspace import WorkspaceFamily
+
+    bus, sink, endpoint, port = stack
+    family = WorkspaceFamily.from_jsonl(ROOT / "examples/tasks/workspace.jsonl")
+    solver = [sys.executable, "-c", SOLVER.format(source=source)]
+    harness = ExternalHarness(OpenAIExecutions(endpoint), sink, HarnessSettings(command=solver))
+    out = await harness.run(spec("ws-textstats", "g0", 0), family.make("ws-textstats"))
+    assert out.kind == E.KIND_FINISHED, out.error
+    assert out.reward == fraction and out.progress.tests_passed_fraction == fraction
+
+
+def test_config_refuses_an_external_harness_it_cannot_run() -> None:
+    from pydantic import ValidationError
+
+    from services.rollout.config import RolloutConfig
+
+    with pytest.raises(ValidationError, match="harness_command"):
+        RolloutConfig(harness="external", environment="workspace")
+    with pytest.raises(ValidationError, match="harness_tasks"):
+        RolloutConfig(harness="external", harness_command=["agent"])  # longhorizon has no external tasks
+    with pytest.raises(ValidationError, match="harness_reward"):
+        RolloutConfig(harness="external", harness_command=["agent"], harness_tasks=Path("t.jsonl"))
+    with pytest.raises(ValidationError, match="openai_port"):
+        RolloutConfig(harness="external", harness_command=["a"], environment="workspace", openai_port=None)
+
+
+def test_bad_reward_paths_and_values_are_clear_errors(tmp_path) -> None:
+    from gyre.errors import InvalidArgument
+    from services.rollout.harness import _as_progress
+
+    with pytest.raises(InvalidArgument, match="no callable 'nope'"):
+        load_reward("examples/byo_agent/reward.py:nope")
+    with pytest.raises(InvalidArgument, match="cannot import"):
+        load_reward("no_such_module_xyz:score")
+    with pytest.raises(InvalidArgument, match="no file"):
+        load_reward(str(tmp_path / "missing.py") + ":score")
+    with pytest.raises(InvalidArgument, match="non-finite"):
+        _as_progress(float("nan"))
+    with pytest.raises(InvalidArgument, match="expected a number or a dict"):
+        _as_progress("1.0")
+    reward, progress = _as_progress({"milestones_reached": 1, "milestones_total": 4})
+    assert reward == 0.25 and progress.milestones_total == 4
+    bad = tmp_path / "tasks.jsonl"
+    bad.write_text('{"task_id": "a b", "prompt": "x"}\n')
+    with pytest.raises(InvalidArgument, match="tasks.jsonl:1"):
+        JsonTaskFamily.from_jsonl(bad)
