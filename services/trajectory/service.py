@@ -32,7 +32,7 @@ from gyre.service import Runtime, Service
 from gyre.v1 import events_pb2, trajectory_pb2, trajectory_pb2_grpc
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.core import TrajectoryCore
-from services.trajectory.validation import StepGate
+from services.trajectory.validation import MAX_PULL_WAIT_S, StepGate
 
 log = logging.getLogger("gyre.trajectory")
 
@@ -78,6 +78,7 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
         self, request: trajectory_pb2.PullBatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[trajectory_pb2.BatchChunk]:
         self.gate.check_consumer(request.consumer)
+        self.gate.check_pull(request)
         if request.resume_batch_id:
             b = await asyncio.to_thread(self.core.store.get_batch, request.resume_batch_id)
             if b is not None:
@@ -85,6 +86,7 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
         checked = trajectory_pb2.PullBatchRequest()
         checked.CopyFrom(request)
         checked.current_version = self.gate.clamp_version(request.current_version)
+        checked.wait_s = min(request.wait_s, MAX_PULL_WAIT_S)
         for chunk in await self.core.pull(checked):
             yield chunk
 

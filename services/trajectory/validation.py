@@ -24,17 +24,20 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gyre.bus import subjects
 from gyre.bus.nats_bus import RateLimitedLog
 from gyre.errors import InvalidArgument, PermissionDenied
-from gyre.v1 import events_pb2
+from gyre.v1 import events_pb2, trajectory_pb2
 from gyre.validation import Problem, execution_problem, is_early, step_problem
 from services.trajectory.config import TrajectoryConfig
 
 log = logging.getLogger("gyre.trajectory.validation")
+# Longest a PullBatch may wait for a batch (seconds); a trainer waits seconds, not hours.
+MAX_PULL_WAIT_S = 600.0
 _CLAMP_LOG = RateLimitedLog(log)
 
 # (subject, payload, message type, code, reason) -> stored on the dead-letter stream.
@@ -129,6 +132,18 @@ class StepGate:
                 f"consumer {consumer!r} is not a registered trainer of run {self.run_id!r} (registered: "
                 f"{self.cfg.trainer_workers}); set trajectory.trainer_workers to the trainer's worker_id"
             )
+
+    def check_pull(self, request: trajectory_pb2.PullBatchRequest) -> None:
+        """InvalidArgument for PullBatch arguments no trainer sends: a negative token budget or
+        version, a negative or non-finite wait (a wait above MAX_PULL_WAIT_S is cut to it)."""
+        if request.max_tokens < 0:
+            raise InvalidArgument(
+                f"max_tokens must be >= 0 (0 = the service default), got {request.max_tokens}"
+            )
+        if not math.isfinite(request.wait_s) or request.wait_s < 0.0:
+            raise InvalidArgument(f"wait_s must be a finite number of seconds >= 0, got {request.wait_s}")
+        if request.current_version < 0:
+            raise InvalidArgument(f"current_version must be >= 0, got {request.current_version}")
 
     def check_owner(self, consumer: str, batch_consumer: str | None, batch_id: str) -> None:
         """PermissionDenied if batch `batch_id` was handed to another consumer than `consumer`."""

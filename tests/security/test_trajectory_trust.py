@@ -247,3 +247,15 @@ async def test_an_execution_event_with_a_nan_reward_is_dead_lettered_and_its_gro
         await run.bus.publish(subjects.executions(run_id, ev.task_id), ev, msg_id=ev.event_id)
     await _until(lambda: _has(run, "groups_scored", 1))
     assert await _pull(run, wait_s=5.0)
+
+
+@pytest.mark.parametrize(
+    "args", [{"max_tokens": -5}, {"wait_s": -1.0}, {"wait_s": float("nan")}, {"current_version": -3}]
+)
+async def test_pull_batch_arguments_no_trainer_sends_are_invalid(
+    running: tuple[Running, str], args: dict[str, object]
+) -> None:
+    run, _ = running
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _pull(run, **args)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
