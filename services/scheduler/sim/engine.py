@@ -541,10 +541,9 @@ class Simulation:
             need = self._need(e)
             self._detach(e)
             d = self._pick(need, exclude=u.uid) if not self.queue else None
-            if d is None:  # parked until a unit has room (DESIGN: "or parked until one exists")
+            if d is None:  # parked until a unit has room (DESIGN: "or parked until one exists");
+                # one waiting on its environment keeps waiting meanwhile
                 self.num_parked += 1
-                if e.phase == Phase.ENV:
-                    pass  # its environment keeps running; it waits in the queue meanwhile
                 self.queue.insert(self._parked_end(), eid)
                 continue
             self.num_migrations += 1
