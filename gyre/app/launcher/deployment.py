@@ -22,8 +22,9 @@ Credentials (gyre.app.launcher.credentials, kept in `<run_dir>/secrets/`): an em
 gets one user per service with the subject permissions of gyre.bus.auth (no anonymous access), and
 each service's GYRE_NATS_URL carries its own user; an embedded Postgres gets one role per service
 (gyre.store.roles), migrations run as that role, and each service's GYRE_DATABASE_URL is its own
-role's; every service gets the run's GYRE_GRPC_TOKEN (the config's `grpc_token` if set, else
-generated), and this process uses it for its own gRPC calls. The trajectory service is told the
+role's; every service gets the run's GYRE_GRPC_TOKEN (the config's `grpc_token` if set, else one
+generated when NATS is embedded; with external servers only a configured one, so a pod that joins
+a cluster agrees with its peers), and this process uses it for its own gRPC calls. The trajectory service is told the
 trainer's worker_id and the model's vocabulary unless its section sets them.
 
 A service that exits or times out during start raises DeploymentError with the tail of its log,
@@ -186,7 +187,10 @@ class Deployment:
         self._refuse_second_launcher()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         creds = self._credentials = RunCredentials.load_or_create(self.run_dir)
-        token = self.common.grpc_token.get_secret_value() if self.common.grpc_token else creds.grpc_token
+        # A self-contained run (embedded NATS) generates its token; a run that joins external servers
+        # (compose, Kubernetes) uses the configured one, or none, as the services it talks to do.
+        configured = self.common.grpc_token.get_secret_value() if self.common.grpc_token else None
+        token = configured or (creds.grpc_token if self._nats_url is None else None)
         self._previous_token = rpc.default_token()
         rpc.set_default_token(token)  # the job driver and other clients in this process (until stop)
         nats_url = self._nats_url or self._start_embedded_nats()
@@ -208,7 +212,7 @@ class Deployment:
             **self._extra_env,
             "GYRE_NATS_URL": nats_url,
             "GYRE_DATABASE_URL": database_url,
-            "GYRE_GRPC_TOKEN": token,
+            **({"GYRE_GRPC_TOKEN": token} if token else {}),
             "GYRE_RUN_ID": self.common.run_id,
             "GYRE_RUN_DIR": str(self.run_dir),
             "PYTHONUNBUFFERED": "1",
