@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test lint typecheck unit proto bench sim clean
+.PHONY: help venv run test lint typecheck unit proto bench sim docs-numbers clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -46,6 +46,9 @@ bench: $(STAMP) ## run the benchmarks (JSON on stdout)
 
 sim: $(STAMP) ## run the cluster simulator on the xlong workload
 	$(BIN)/gyre sim --workload xlong --json
+
+docs-numbers: $(STAMP) ## rerun the benchmarks and the simulator; rewrite the figures in docs/ from their output
+	$(BIN)/python scripts/docs_numbers.py
 
 clean: ## remove the virtual environment and run directories
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
