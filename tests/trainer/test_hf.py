@@ -62,6 +62,31 @@ def test_imported_hf_model_gives_the_same_logits_and_exports_back_exactly(tmp_pa
         assert torch.equal(tensor, original[name]), name
 
 
+def test_initial_weights_from_a_checkpoint_that_does_not_fit_the_model_section_are_refused(tmp_path):
+    from gyre.errors import InvalidArgument
+    from gyre.model import ModelConfig, build_model
+    from gyre.model.hf import load_initial_weights, read_hf_config
+
+    _tiny("llama", False).save_pretrained(tmp_path / "hf")
+    fits = read_hf_config(tmp_path / "hf")
+    model = build_model(
+        fits.model_copy(update={"init_std": 0.5}), device="cpu"
+    )  # init_std is not architecture
+    load_initial_weights(model, tmp_path / "hf")
+    torch.testing.assert_close(
+        causal_logits(model, torch.arange(9)[None]),
+        causal_logits(import_hf(tmp_path / "hf"), torch.arange(9)[None]),
+    )
+
+    wrong = build_model(
+        ModelConfig.model_validate({**fits.model_dump(), "ffn_hidden_size": 64}), device="cpu"
+    )
+    with pytest.raises(InvalidArgument, match="ffn_hidden_size: config 64 vs checkpoint 96.*model-config"):
+        load_initial_weights(wrong, tmp_path / "hf")
+    with pytest.raises(InvalidArgument, match="do not exist"):
+        load_initial_weights(wrong, tmp_path / "nowhere")
+
+
 # --- examples/hf_model.yaml end to end ---------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[2]
