@@ -15,7 +15,11 @@ trainer's final checkpoint:
     steps_emitted        distinct step events on the bus (what every rollout incarnation published)
     steps_stored         calls the trajectory service holds in Postgres
     steps_lost           steps_emitted - steps_stored (floor 0)
-    batches_lost         batches announced before the trainer's last step and never trained
+    batches_lost         batches the trajectory service handed to the trainer (delivered, or acked as
+                         trained) that the trainer's final model never trained, except one still in
+                         flight when the job stopped (batches_dissolved: announced batches the
+                         trajectory later released as stale or too big; their groups were re-packed
+                         or dropped as stale, which the trajectory counts)
     paths_trained_twice  paths of batches the trainer trained more than once
     double_leases        a device acquired by a holder while another holder's lease was not released,
                          or with an epoch not above the previous acquisition's
@@ -186,8 +190,35 @@ def final_trainer_state(run_dir: Path) -> dict[str, Any]:
     return {}
 
 
-def tally(run_dir: Path, final_stats: dict[str, Any], faults: list[Fault]) -> dict[str, Any]:
-    """The run's loss counters (module docstring) from its event log, counters and checkpoint."""
+def batch_states(database_url: str, run_id: str) -> dict[str, dict[str, Any]]:
+    """batch_id -> {state, delivered_unix_s, trained_at_version} of the trajectory's batch table."""
+    import sqlalchemy as sa
+
+    from gyre import store
+
+    engine = store.create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT batch_id, state, delivered_unix_s, trained_at_version FROM traj_batches "
+                    "WHERE run_id = :run"
+                ),
+                {"run": run_id},
+            ).all()
+    finally:
+        engine.dispose()
+    return {r[0]: {"state": r[1], "delivered_unix_s": r[2], "trained_at_version": r[3]} for r in rows}
+
+
+def tally(
+    run_dir: Path,
+    final_stats: dict[str, Any],
+    faults: list[Fault],
+    batches_in_store: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The run's loss counters (module docstring) from its event log, counters, checkpoint and the
+    trajectory's batch table (`batches_in_store`, read before the deployment stopped)."""
     from gyre.app.job.eventlog import read_events
 
     by_type: dict[str, list[dict[str, Any]]] = {}
@@ -202,11 +233,18 @@ def tally(run_dir: Path, final_stats: dict[str, Any], faults: list[Fault]) -> di
     twice = {b for b in trained if trained.count(b) > 1}
     weights = by_type.get("WeightsPublishedEvent", [])
     last_step_unix = max((float(w.get("weights", {}).get("created_unix_s", 0)) for w in weights), default=0.0)
+    stored = batches_in_store or {}
+    handed = {
+        b: row
+        for b, row in stored.items()
+        if row["state"] == "delivered" or (row["state"] == "acked" and (row["trained_at_version"] or 0) >= 0)
+    }
     lost_batches = [
         b
-        for b, ev in batches.items()
-        if b not in trained and float(ev.get("created_unix_s", 0)) < last_step_unix - 1.0
+        for b, row in handed.items()
+        if b not in trained and float(row["delivered_unix_s"] or 0) < last_step_unix
     ]
+    dissolved = [b for b in batches if b not in stored] if batches_in_store is not None else []
 
     ends = {
         ev["execution_id"]: float(ev.get("created_unix_s", 0))
@@ -236,7 +274,9 @@ def tally(run_dir: Path, final_stats: dict[str, Any], faults: list[Fault]) -> di
         "steps_lost": max(0, steps_emitted - steps_stored),
         "batches_announced": len(batches),
         "batches_trained": len(set(trained)),
-        "batches_lost": len(lost_batches),
+        "batches_lost": len(lost_batches) if batches_in_store is not None else None,  # None: unknown
+        "batches_dissolved": len(dissolved),
+        "batches_quarantined": sum(1 for row in stored.values() if row["trained_at_version"] == -1),
         "paths_trained_twice": sum(_int(batches.get(b, {}).get("num_paths")) for b in twice),
         "double_leases": count_double_leases(by_type.get("LeaseEvent", [])),
         "executions_started": len(started),
@@ -288,6 +328,13 @@ def run_chaos(
             await inject(dep, tracker, faults)
 
         outcome = asyncio.run(drive(dep, common, job, out_dir, started=started, sidecar=sidecar))
+        try:
+            in_store: dict[str, dict[str, Any]] | None = batch_states(
+                dep.endpoints.database_url, common.run_id
+            )
+        except Exception as exc:  # reported: without it batches_lost cannot be judged
+            progress(f"could not read the trajectory's batches: {exc!r}")
+            in_store = None
     wall_s = time.time() - started
     (out_dir / "final_stats.json").write_text(
         json.dumps(outcome.final_stats, indent=2, sort_keys=True) + "\n"
@@ -301,7 +348,7 @@ def run_chaos(
         },
         seed=common.seed,
     )
-    counters = tally(out_dir, outcome.final_stats, faults)
+    counters = tally(out_dir, outcome.final_stats, faults, in_store)
     probe = run_probe(out_dir / "exactly_once", effective, steps=8, seed=seed)
     summary = report.summary
     result: dict[str, Any] = {
