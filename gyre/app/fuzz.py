@@ -218,6 +218,10 @@ class HttpStack:
         self.server, port = await serve(create_app(self.endpoint), "127.0.0.1", 0)
         return f"http://127.0.0.1:{port}"
 
+    def steps_dead_lettered(self) -> int:
+        """Steps the producer refused as invalid (gyre.validation) and sent to the dead-letter stream."""
+        return int(self.sink.num_invalid)
+
     def steps_on_nats(self) -> int:
         async def count() -> int:
             await self.sink.flush()
@@ -263,8 +267,9 @@ def http_check(
     return check
 
 
-def fuzz_http(n: int, work: Path, reports: dict[str, TargetReport]) -> int:
-    """Run the HTTP targets; returns good data lost (200 model calls minus steps on NATS)."""
+def fuzz_http(n: int, work: Path, reports: dict[str, TargetReport]) -> tuple[int, int]:
+    """Run the HTTP targets; returns (good data lost: 200 model calls minus steps on NATS, steps the
+    producer dead-lettered as invalid - a served call whose step is invalid is an endpoint bug)."""
     import httpx
 
     stack = HttpStack(work)
@@ -286,7 +291,7 @@ def fuzz_http(n: int, work: Path, reports: dict[str, TargetReport]) -> int:
                         reports[name], strategy, http_check(client, reports[name], method, path, ok), n
                     )
                     stack.endpoint.sleeping = False  # an admin /sleep must not starve the next target
-        return ok[0] - stack.steps_on_nats()
+        return ok[0] - stack.steps_on_nats(), stack.steps_dead_lettered()
     finally:
         stack.stop()
 
@@ -451,11 +456,11 @@ def fuzz(n: int, only: list[str] | None = None) -> dict[str, Any]:
         raise GyreError(f"unknown fuzz targets {unknown}; known: {all_targets()}")
     reports = {name: TargetReport() for name in names}
     started = time.perf_counter()
-    good_lost = bad_accepted = 0
+    good_lost = bad_accepted = dead_lettered = 0
     with tempfile.TemporaryDirectory(prefix="gyre-fuzz-") as tmp:
         work = Path(tmp)
         if any(name.startswith("http.") for name in names):
-            good_lost = fuzz_http(n, work, reports)
+            good_lost, dead_lettered = fuzz_http(n, work, reports)
         fuzz_events(n, reports)
         if "consumer.steps" in reports:
             fuzz_steps(n, reports["consumer.steps"])
@@ -468,6 +473,7 @@ def fuzz(n: int, only: list[str] | None = None) -> dict[str, Any]:
         "crashes": sum(r.crashes for r in reports.values()),
         "bad_accepted": bad_accepted,
         "good_lost": good_lost,
+        "steps_dead_lettered": dead_lettered,
         "seconds": round(time.perf_counter() - started, 1),
     }
 

@@ -60,7 +60,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from gyre import tokenizer as tok
 from gyre.errors import Conflict, GyreError, InvalidArgument, NotFound, PayloadTooLarge
@@ -109,14 +109,22 @@ class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # Positive values below 1e-6 underflow the engine's float32 sampling (NaN log-probs): refused.
     temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=1e-6, le=1)
     seed: int | None = Field(None, ge=0, le=_MAX_SEED)
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)
     n: Literal[1] = 1
     stream: Literal[False] = False
     user: str | None = None
     metadata: dict[str, str] | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < 1e-6:
+            raise ValueError("temperature must be 0 (greedy) or at least 1e-6")
+        return value
 
 
 class CompletionRequest(_Sampling):
