@@ -170,3 +170,25 @@ def test_shard_metrics_combine_into_batch_metrics():
     assert out["num_tokens"] == 16.0 and out["num_trained_tokens"] == 6.0
     assert out["ratio_mean"] == pytest.approx((1.0 * 4 + 0.7 * 2) / 6)
     assert out["grad_norm"] == 0.3
+
+
+async def test_a_trainer_holding_no_device_pulls_nothing_until_a_device_is_leased(tmp_path):
+    from services.trainer.service import TrainDevices
+
+    metrics: list[dict[str, float]] = []
+    trainer = _trainer(tmp_path, metrics)
+    devices = TrainDevices(trainer)
+    devices.pool = {"cpu0-0": 0}
+    trainer.set_devices([])  # a worker of the pool starts with no device
+    run = asyncio.create_task(trainer.run(max_steps=1))
+    async with asyncio.timeout(60), trainer.boundary:
+        await trainer.boundary.wait_for(lambda: trainer.parked)
+    assert len(trainer.source.batches) == NUM_STEPS and metrics == []  # parked before the first pull
+    assert trainer.dp.size == 0 and not run.done()
+
+    await devices.start_using("cpu0-0")  # the lease client acquired a TRAIN lease
+    await asyncio.wait_for(run, 120)
+    assert len(metrics) == 1 and metrics[0]["dp_size_min"] == 1
+    await devices.stop_using("cpu0-0")  # returns once the rank has left: nothing trains on it
+    assert trainer.dp.size == 0 and trainer.dp.device_ids == []
+    trainer.close()
