@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test lint typecheck unit proto bench sim docs-numbers clean
+.PHONY: help venv run run-byo run-hf test lint typecheck unit proto bench sim docs-numbers clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -24,6 +24,13 @@ venv: $(STAMP) ## create or refresh the virtual environment
 
 run: $(STAMP) ## run the quickstart training job (embedded NATS and Postgres, CPU only)
 	$(BIN)/gyre run examples/quickstart.yaml
+
+run-byo: $(STAMP) ## train the example agent of examples/byo_agent (an unmodified openai-client agent)
+	$(BIN)/gyre run examples/byo_agent/config.yaml
+
+run-hf: $(STAMP) ## train a tiny HF Llama checkpoint (written if missing) with examples/hf_model.yaml
+	test -f checkpoints/tiny-llama/config.json || $(BIN)/python -m services.trainer.hf tiny checkpoints/tiny-llama
+	$(BIN)/gyre run examples/hf_model.yaml
 
 test: $(STAMP) lint typecheck ## lint, type-check and run every test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
