@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -215,6 +216,7 @@ class Simulation:
                 self.groups.setdefault((k, p.task), []).append(e.eid)
             self.batches.append(ids)
         self.groups_left = [len({self.execs[i].plan.task for i in b}) for b in self.batches]
+        self.groups_total = list(self.groups_left)
         self.group_scored: set[tuple[int, int]] = set()
         self.cutoff_armed: set[tuple[int, int]] = set()
         self.next_batch = 0
@@ -665,12 +667,16 @@ class Simulation:
         return snap
 
     def _trainer_backlog(self) -> int:
-        """Steps with scored work waiting or running, in order (the live trainer's backlog)."""
+        """What the live trainer reports as `trainer_backlog_batches` (services/trainer/service.py):
+        scored groups not trained yet, in batches (rounded up), plus one while a step is in progress."""
         k = len(self.step_done)
-        n = 0
-        while k + n < len(self.batches) and self._available(k + n) > 0:
-            n += 1
-        return n
+        waiting = 0.0
+        for j in range(k, len(self.batches)):
+            avail = self._available(j)
+            if avail > 0:  # scored groups the trainer has; the current step's partly trained
+                waiting += (self.groups_total[j] - self.groups_left[j]) * avail / self.scored_flops[j]
+        per_batch = max(1, self.groups_total[k] if k < len(self.batches) else 1)
+        return math.ceil(waiting / per_batch - 1e-9) + int(self.step_started is not None)
 
     # --- training -------------------------------------------------------------------------------------------
     def _available(self, k: int) -> float:
