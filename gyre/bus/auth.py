@@ -6,8 +6,8 @@ Roles (a NATS user each, same name):
   ``StreamSpec.producers`` names them (only the scheduler publishes leases, only the trainer weights,
   only the rollout steps and executions, each service only its own metrics and dead letters);
   read (create consumers, fetch, ack) the streams whose ``StreamSpec.consumers`` names them.
-* ``observer``: read-only — consumers and tails on every Gyre stream, no publish, no ack of a
-  durable (the analytics tail, the job's event collector, ``gyre analytics``).
+* ``observer``: read-only — ephemeral (ordered) consumers on every Gyre stream, no durable
+  consumer, no ack, no publish (the analytics tail, the job's event collector, ``gyre analytics``).
 * ``admin``: the JetStream API (declares and updates streams: the launcher, before any service
   starts); it publishes no event.
 
@@ -69,19 +69,23 @@ def _published_subjects(role: str) -> list[str]:
     return out
 
 
-def _read_rights(stream: str, *, ack: bool) -> list[str]:
+def _read_rights(stream: str, *, durable: bool) -> list[str]:
+    """JetStream API rights to read `stream`: ephemeral (unnamed, e.g. ordered) consumers and stored
+    messages always; with `durable`, also named durable consumers, pulling from them and acking."""
     rights = [
-        f"{_JS}.CONSUMER.CREATE.{stream}",
-        f"{_JS}.CONSUMER.CREATE.{stream}.>",
-        f"{_JS}.CONSUMER.DURABLE.CREATE.{stream}.>",
+        f"{_JS}.CONSUMER.CREATE.{stream}",  # an unnamed, ephemeral consumer (ordered tails)
         f"{_JS}.CONSUMER.INFO.{stream}.>",
-        f"{_JS}.CONSUMER.MSG.NEXT.{stream}.>",
         f"{_JS}.STREAM.MSG.GET.{stream}",  # one stored message (e.g. the last weights event)
         f"{_JS}.DIRECT.GET.{stream}",
         f"{_JS}.DIRECT.GET.{stream}.>",
     ]
-    if ack:
-        rights.append(f"$JS.ACK.{stream}.>")
+    if durable:
+        rights += [
+            f"{_JS}.CONSUMER.CREATE.{stream}.>",
+            f"{_JS}.CONSUMER.DURABLE.CREATE.{stream}.>",
+            f"{_JS}.CONSUMER.MSG.NEXT.{stream}.>",
+            f"$JS.ACK.{stream}.>",
+        ]
     return rights
 
 
@@ -95,10 +99,11 @@ def permissions(role: str) -> Permissions:
     publish = [f"{_JS}.INFO", f"{_JS}.STREAM.INFO.*", f"{_JS}.STREAM.NAMES", "$JS.FC.>"]
     for spec in subjects.STREAMS:
         if role == OBSERVER:
-            # Ordered (ephemeral) consumers only: an observer never acks a durable's messages.
-            publish += _read_rights(spec.name, ack=False)
+            # Ephemeral (ordered) consumers only: an observer cannot create, redefine or drain a
+            # durable consumer, nor ack a message.
+            publish += _read_rights(spec.name, durable=False)
         elif role in spec.consumers:
-            publish += _read_rights(spec.name, ack=True)
+            publish += _read_rights(spec.name, durable=True)
     publish += _published_subjects(role)
     # Core subscriptions to Gyre subjects (a wide tail) see new messages only and change nothing.
     return Permissions(publish=tuple(publish), subscribe=(*subscribe, f"{subjects.PREFIX}.>"))

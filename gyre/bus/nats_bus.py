@@ -666,6 +666,11 @@ class Bus:
             raise Unavailable(
                 f"stream {spec.name} does not exist; call Bus.ensure_streams() before consuming"
             ) from exc
+        except nats.errors.TimeoutError as exc:
+            raise Unavailable(
+                f"no answer creating consumer {durable} on {spec.name}: the server is slow, or this NATS user "
+                f"({self.name}) may not read that stream with a durable consumer (gyre.bus.auth)"
+            ) from exc
         sub = await self.js.pull_subscribe_bind(durable=durable, stream=spec.name)
         consumer: Consumer[M] = Consumer(
             self,

@@ -139,6 +139,14 @@ async def test_the_observer_reads_but_cannot_publish_or_manage_streams(
             await observer.publish(subjects.weights(run_id), _weights(run_id, 4), msg_id="w4", timeout_s=2.0)
         with pytest.raises(nats.errors.Error):
             await observer.nc.request("$JS.API.STREAM.DELETE.GYRE_WEIGHTS", b"", timeout=2.0)
+
+        async def ignore(msgs: list[events_pb2.WeightsPublishedEvent]) -> None:
+            return None
+
+        with pytest.raises(Unavailable):  # no durable consumer (it could redefine a service's)
+            await observer.consume(
+                subjects.weights(run_id), events_pb2.WeightsPublishedEvent, ignore, durable="spy"
+            )
     finally:
         await observer.close()
     assert await _count(admin_bus, "GYRE_WEIGHTS", subjects.weights(run_id)) == 1
@@ -196,7 +204,8 @@ def test_permissions_follow_the_stream_declarations() -> None:
     assert auth.permissions("scheduler").publish.count("gyre.leases.>") == 1
     assert "gyre.weights.>" in auth.permissions("trainer").publish
     observer = auth.permissions(auth.OBSERVER)
-    assert not any(p.startswith(("gyre.", "$JS.ACK")) for p in observer.publish)
+    assert not any(p.startswith(("gyre.", "$JS.ACK", "$JS.API.CONSUMER.DURABLE")) for p in observer.publish)
+    assert not any(".MSG.NEXT." in p for p in observer.publish)
     assert auth.permissions(auth.ADMIN).publish == ("$JS.API.>",)
     with pytest.raises(ValueError, match="unknown NATS role"):
         auth.permissions("thief")
