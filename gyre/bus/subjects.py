@@ -135,9 +135,10 @@ STREAMS: tuple[StreamSpec, ...] = (
         max_age_s=7 * _DAY_S,
         description=(
             "Rollout -> trajectory, analytics. At-least-once, dedup by event_id. The trajectory store "
-            "applies lifecycle transitions idempotently (a repeated FINISHED changes nothing)."
+            "applies lifecycle transitions idempotently (a repeated FINISHED changes nothing). A "
+            "restarted rollout reads it to end the executions its killed predecessor left running."
         ),
-        consumers=("trajectory", "analytics"),
+        consumers=("trajectory", "analytics", "rollout"),
         producers=("rollout",),
     ),
     StreamSpec(
