@@ -138,7 +138,9 @@ class RolloutConfig(ConfigModel):
     harness_memory_bytes: int = Field(
         4 << 30, ge=1 << 26, description="External harness: address-space limit of the agent process (bytes)."
     )
-    harness_cpu_s: int = Field(3600, ge=1, description="External harness: CPU-time limit of the agent (seconds).")
+    harness_cpu_s: int = Field(
+        3600, ge=1, description="External harness: CPU-time limit of the agent (seconds)."
+    )
     harness_max_output_bytes: int = Field(
         65536, ge=1024, description="External harness: stdout/stderr kept per agent run (tail, bytes)."
     )
@@ -208,7 +210,9 @@ class RolloutConfig(ConfigModel):
             if not self.harness_command:
                 raise ValueError("harness 'external' needs harness_command (the agent's argv)")
             if self.openai_port is None:
-                raise ValueError("harness 'external' needs the OpenAI endpoint: set openai_port (0 = a free port)")
+                raise ValueError(
+                    "harness 'external' needs the OpenAI endpoint: set openai_port (0 = a free port)"
+                )
             if self.harness_tasks is None and self.environment != "workspace":
                 raise ValueError(
                     "harness 'external' needs tasks: set harness_tasks (JSONL) or environment 'workspace'"
