@@ -114,3 +114,21 @@ async def _check_grpc(address: str, token: str) -> None:
             async for _ in stub.PullBatch(trajectory_pb2.PullBatchRequest(consumer="thief", wait_s=0.1)):
                 pass
         assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_run_credentials_are_private_reused_and_completed(tmp_path: Path) -> None:
+    from gyre.app.launcher.credentials import RunCredentials
+
+    first = RunCredentials.load_or_create(tmp_path)
+    assert set(first.nats) == set(auth.ROLES) and set(first.postgres) == set(auth.SERVICE_ROLES)
+    assert len({*first.nats.values(), *first.postgres.values(), first.grpc_token}) == len(auth.ROLES) + 5
+    again = RunCredentials.load_or_create(tmp_path)
+    assert again == first  # a restarted launcher finds the same secrets (the data dirs need them)
+    path = tmp_path / "secrets" / "credentials.json"
+    data = json.loads(path.read_text())
+    del data["nats"]["observer"]  # written by a version without that role
+    path.write_text(json.dumps(data))
+    completed = RunCredentials.load_or_create(tmp_path)
+    assert completed.nats["trainer"] == first.nats["trainer"] and completed.nats["observer"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert (tmp_path / "secrets" / "grpc_token").read_text().strip() == first.grpc_token
