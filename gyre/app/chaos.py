@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -434,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gyre chaos: {exc}", file=sys.stderr)
             return 2
     try:
-        result = run_chaos(args.config, steps=args.steps, seed=args.seed, run_dir=run_dir, targets=targets)
+        # stdout carries only the result: the job's progress lines go to stderr meanwhile.
+        with contextlib.redirect_stdout(sys.stderr):
+            result = run_chaos(
+                args.config, steps=args.steps, seed=args.seed, run_dir=run_dir, targets=targets
+            )
     except ConfigError as exc:
         print(f"gyre chaos: {exc}", file=sys.stderr)
         return 2
