@@ -182,6 +182,8 @@ class JsonTaskFamily(TaskFamily):
     @classmethod
     def from_jsonl(cls, path: str | Path) -> JsonTaskFamily:
         """Tasks from JSONL: one object per line with `task_id` ([A-Za-z0-9_-]) and `prompt` or `messages`."""
+        if not Path(path).is_file():
+            raise InvalidArgument(f"harness_tasks {path} does not exist (a JSONL file of tasks)")
         tasks = []
         for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
             if not line.strip():
@@ -410,6 +412,10 @@ class ExternalHarness:
             raise InvalidArgument("rollout.harness_command is empty: give the agent's command line")
         self.endpoints, self.sink, self.settings, self.reward = endpoints, sink, settings, reward
         self.argv = resolve_command(settings.command)
+        if shutil.which(self.argv[0]) is None:  # refused at startup, not once per execution
+            raise InvalidArgument(
+                f"harness_command: {settings.command[0]!r} is not an executable file or a command on PATH"
+            )
 
     def _started(self, spec: ExecutionSpec, progress: Progress) -> events_pb2.ExecutionEvent:
         return E(

@@ -263,6 +263,10 @@ def test_bad_reward_paths_and_values_are_clear_errors(tmp_path) -> None:
         _as_progress("1.0")
     reward, progress = _as_progress({"milestones_reached": 1, "milestones_total": 4})
     assert reward == 0.25 and progress.milestones_total == 4
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        JsonTaskFamily.from_jsonl(tmp_path / "missing.jsonl")
+    with pytest.raises(InvalidArgument, match="not an executable"):
+        ExternalHarness(None, None, HarnessSettings(command=["no-such-agent-xyz"]))  # type: ignore[arg-type]
     bad = tmp_path / "tasks.jsonl"
     bad.write_text('{"task_id": "a b", "prompt": "x"}\n')
     with pytest.raises(InvalidArgument, match="tasks.jsonl:1"):
