@@ -104,6 +104,14 @@ def _setuid(uid: int) -> None:
     os.setuid(uid)
 
 
+def _kill_all_as(uid: int) -> None:
+    """In a forked child: become `uid`, then SIGKILL every process of that uid (kill(-1) spares only
+    the caller, which then execs and exits)."""
+    _setuid(uid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1, signal.SIGKILL)
+
+
 @functools.cache
 def isolation() -> Isolation:
     """The strongest isolation level this process can give (see the module docstring); probed once."""
@@ -166,17 +174,17 @@ def sandbox_pids(uid: int | None, marker: str) -> list[int]:
 def kill_sandbox(uid: int | None, marker: str, *, rounds: int = 20) -> int:
     """SIGKILL every process of the sandbox, repeating while new ones appear; returns how many remain.
 
-    With a uid, a helper that became that uid sends `kill(-1)`: every process of the uid at once,
-    so a fork loop cannot outrun it one pid at a time.
+    With a uid, a child that became that uid sends `kill(-1)`: every process of the uid at once, so
+    a fork loop cannot outrun it one pid at a time.
     """
     remaining = sandbox_pids(uid, marker)
     for _ in range(rounds):
         if not remaining:
             return 0
         if uid is not None:
-            subprocess.run(
-                ["/bin/kill", "-KILL", "-1"],
-                preexec_fn=functools.partial(_setuid, uid),
+            subprocess.run(  # the kill happens in the child, before it execs /bin/true (coreutils)
+                ["/bin/true"],
+                preexec_fn=functools.partial(_kill_all_as, uid),
                 capture_output=True,
                 check=False,
             )
