@@ -73,13 +73,6 @@ class TrajectoryConfig(ConfigModel):
     ingest_batch_size: int = Field(
         512, ge=1, description="Steps fetched from JetStream and committed to Postgres at once."
     )
-    ingest_fetchers: int = Field(
-        2,
-        ge=1,
-        le=8,
-        description="Concurrent fetchers of the step stream (one durable consumer): with 2, one batch is "
-        "decoded and matched while the previous one is committed (commits run in the order batches were matched).",
-    )
     durable_name: str = Field(
         "trajectory",
         pattern=r"^[A-Za-z0-9_-]+$",

@@ -166,18 +166,18 @@ class TrajectoryService(Service):
                 batch_size=self.cfg.ingest_batch_size,
             )
         )
-        # Several fetchers on one durable consumer pipeline the ingest: while one batch is committed,
-        # the next is fetched, decoded and matched (TrajectoryCore commits them in order).
-        for _ in range(self.cfg.ingest_fetchers):
-            self.consumers.append(
-                await rt.bus.consume(
-                    subjects.steps(run, "*"),
-                    events_pb2.StepEvent,
-                    self._on_steps,
-                    durable=f"{durable}-{run}-steps",
-                    batch_size=self.cfg.ingest_batch_size,
-                )
+        # One fetcher: steps arrive in stream order, so a compact step's base call is always stored
+        # before it (two fetchers on the durable reorder batches, and compact steps then wait for
+        # redelivery again and again; a bench run with two stayed stuck for minutes).
+        self.consumers.append(
+            await rt.bus.consume(
+                subjects.steps(run, "*"),
+                events_pb2.StepEvent,
+                self._on_steps,
+                durable=f"{durable}-{run}-steps",
+                batch_size=self.cfg.ingest_batch_size,
             )
+        )
         rt.spawn(self._poll_loop(), name="trajectory-poll")
 
     @staticmethod
