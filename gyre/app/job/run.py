@@ -380,7 +380,10 @@ def run_job(
     (out_dir / OUTCOME_NAME).write_text(
         json.dumps({"completed": outcome.reached_steps, "reason": outcome.reason}) + "\n"
     )
+    restarts = outcome.final_stats.get("launcher", {}).get("restarts", {})
     print(f"job ended: {outcome.reason} ({wall_s:.0f} s); writing the report", flush=True)
+    if restarts:
+        print(f"restarts by the supervisor: {restarts}", flush=True)
     try:
         report = build_report(
             out_dir,
@@ -388,6 +391,7 @@ def run_job(
                 "job_wall_s": wall_s,
                 "job_completed": outcome.reached_steps,
                 "job_end_reason": outcome.reason,
+                "restarts": restarts,  # service -> restarts by the launcher's supervisor
             },
             seed=common.seed,
         )
