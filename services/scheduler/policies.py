@@ -48,7 +48,7 @@ class DeviceState:
 @dataclass(frozen=True)
 class PoolSnapshot:
     """Everything a policy may look at, frozen at one instant: the leases and the workers' load
-    reports (gyre.v1.WorkerLoad), built by `services.scheduler.snapshot.pool_snapshot` both live and
+    reports (`WorkerLoad` in proto/gyre/v1/scheduler.proto), built by `services.scheduler.snapshot.pool_snapshot` both live and
     in the simulator."""
 
     devices: tuple[DeviceState, ...]
