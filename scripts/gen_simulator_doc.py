@@ -6,7 +6,8 @@
 Every workload (the built-ins and examples/workloads/*.yaml) runs as `gyre sim --workload W --json
 --seeds N` would; the sensitivity table reruns `small` (its seed) with each assumed [G] parameter at
 0.5x and 1.5x. `--cache DIR` keeps each workload-seed result so an interrupted run resumes;
-`--partial` renders only what is cached (each workload then says how many seeds it got). The prose lives in this script, so the page and its numbers cannot drift apart.
+`--partial` renders only what is cached (each workload then says how many seeds it got). The prose
+is scripts/simulator_doc_template.md; every figure in the page is filled in here.
 """
 
 from __future__ import annotations
