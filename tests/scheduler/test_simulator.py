@@ -154,12 +154,16 @@ def test_predict_explains_a_run_config_without_a_workload(tmp_path) -> None:
 
 
 def test_service_semantics_default_to_what_the_live_services_do() -> None:
+    from gyre.costmodel import CostSpec
+    from services.scheduler.config import SchedulerConfig
+    from services.trajectory.config import TrajectoryConfig
+
     sem = ServiceSemantics()
-    assert (sem.trainer_resize, sem.trainer_streaming, sem.train_unfinished_after_s) == (
-        "microbatch",
-        True,
-        None,
-    )
+    assert (sem.trainer_resize, sem.trainer_streaming) == ("microbatch", True)
+    live = TrajectoryConfig()
+    assert sem.train_unfinished_after_s == live.train_unfinished_after_s  # the cut-off, off by default
+    assert CostSpec().train_microbatch_tokens == live.max_batch_tokens  # one packed batch per round
+    assert SchedulerConfig().plan_interval_s == 1.0  # the simulator's plan loop period
 
 
 def test_every_command_in_the_simulator_doc_parses_and_names_a_real_workload() -> None:
