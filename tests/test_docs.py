@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
+import json
 import re
 import subprocess
 from functools import cache
@@ -247,3 +249,25 @@ def test_the_checker_accepts_what_exists() -> None:
         "https://example.com/a/b.py"
     )
     assert citation_errors(source, text) == []
+
+
+def _docs_numbers():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("docs_numbers", ROOT / "scripts" / "docs_numbers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_bench_figure_in_the_docs_is_the_rendered_output_of_its_command() -> None:
+    """A docs-numbers block must equal what scripts/docs_numbers.py renders from the recorded JSON
+    output of its bench (docs/numbers/<name>.json); hand edits between the markers fail here."""
+    dn = _docs_numbers()
+    for name, (_, _, doc) in dn.BENCHES.items():
+        block = dn.block_in(doc, name)
+        assert block is not None, f"{doc.relative_to(ROOT)} lost its docs-numbers markers for {name}"
+        record = dn.NUMBERS / f"{name}.json"
+        assert record.is_file(), f"{record.relative_to(ROOT)} missing: run `make docs-numbers`"
+        assert block == dn.render_block(name, json.loads(record.read_text())), (
+            f"{doc.relative_to(ROOT)} ({name}) differs from its JSON: run `make docs-numbers`"
+        )
