@@ -291,12 +291,14 @@ def make_policy(
     min_step_over_switch: float = 20.0,
 ) -> Policy:
     """Build a policy by name. `async` needs `num_rollout_devices` (its fixed split); `elastic`
-    takes the seconds one device needs to change role (its moves must pay for them)."""
+    takes the same split as its home (None: half the pool) and the seconds one device needs to
+    change role (its moves must pay for them)."""
     if name == "colocate":
         return ColocatePolicy()
     if name == "elastic":
         return ElasticPolicy(
             staleness_bound=staleness_bound,
+            home_rollout_devices=num_rollout_devices,
             role_change_s=role_change_s,
             min_step_over_switch=min_step_over_switch,
         )

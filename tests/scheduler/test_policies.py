@@ -137,3 +137,15 @@ def test_admission_bounds_staleness() -> None:
 def test_elastic_is_pure_same_snapshot_same_moves() -> None:
     snap = _snap([Role.ROLLOUT] * 4 + [Role.TRAIN] * 2, live=2, cap=4, backlog=1, busy=True, step_s=900.0)
     assert ElasticPolicy().plan(snap) == ElasticPolicy().plan(snap)
+
+
+def test_make_policy_gives_elastic_the_operators_split_as_its_home() -> None:
+    from services.scheduler.policies import make_policy
+
+    elastic = make_policy("elastic", num_rollout_devices=3, role_change_s=10.0, min_step_over_switch=5.0)
+    assert isinstance(elastic, ElasticPolicy)
+    assert (elastic.home_rollout_devices, elastic.role_change_s, elastic.min_step_over_switch) == (
+        3,
+        10.0,
+        5.0,
+    )
