@@ -145,7 +145,11 @@ def _rows(zero: list[int], rewards: list[float], oracle: float | None = 1.0) -> 
 
 def test_detect_stall_needs_many_steps_of_silent_groups_below_the_oracle() -> None:
     n = STALL_WINDOW_STEPS
-    assert detect_stall(_rows([4] * 2 * n, [0.5] * 2 * n)) is not None
+    stalled = detect_stall(_rows([4] * 2 * n, [0.5] * 2 * n))
+    assert stalled is not None and not stalled.recovered and "raise trainer.entropy_coef" in stalled.message()
+    recovered = detect_stall(_rows([4] * 2 * n + [0] * 2 * n, [0.5] * 4 * n))
+    assert recovered is not None and recovered.recovered and recovered.last_step < 4 * n - 1
+    assert f"signal again after step {recovered.last_step}" in recovered.message()
     brief = [0] * n + [4] * (n // 2 - 1) + [0] * n  # fewer silent steps than half a window
     assert detect_stall(_rows(brief, [0.5] * len(brief))) is None
     assert detect_stall(_rows([1] * 2 * n, [0.5] * 2 * n)) is None  # most groups still teach

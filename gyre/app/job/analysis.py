@@ -150,6 +150,7 @@ class StallWarning:
     reward: float
     oracle: float
     oracle_reported: bool
+    recovered: bool = False  # the last steps of the run no longer met the rule
     rule: str = STALL_RULE
 
     def message(self) -> str:
@@ -158,11 +159,15 @@ class StallWarning:
             if self.oracle_reported
             else f"{self.oracle:.3f} (no oracle reported)"
         )
+        advice = (
+            f"groups carried a learning signal again after step {self.last_step}"
+            if self.recovered
+            else "raise trainer.entropy_coef, lower trainer.lr, or sample larger groups"
+        )
         return (
             f"WARNING learning stalled in steps {self.first_step}-{self.last_step}: "
             f"{self.zero_variance_fraction:.0%} of groups had zero reward variance (no learning signal) "
-            f"while the reward was {self.reward:.3f}, below {oracle}; "
-            "raise trainer.entropy_coef, lower trainer.lr, or sample larger groups"
+            f"while the reward was {self.reward:.3f}, below {oracle}; {advice}"
         )
 
 
@@ -334,6 +339,7 @@ def detect_stall(
         reward=statistics.fmean(x for r in rows for x in step_reward(r)),
         oracle=statistics.fmean(oracle_samples) if oracle_samples else default_oracle,
         oracle_reported=bool(oracle_samples),
+        recovered=last < steps[-1].step,
     )
 
 
