@@ -190,7 +190,7 @@ def main(argv: list[str]) -> int:
         "--flat-micro-batch",
         type=int,
         nargs="+",
-        default=[1, 2, 4],
+        default=[2, 4, 8, 16],
         help="paths per micro-batch of the flat trainer; the fastest is the baseline",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
