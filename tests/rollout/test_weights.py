@@ -11,7 +11,7 @@ from gyre.v1 import common_pb2, events_pb2
 from services.rollout.engines.base import GenerationRequest, Sampling
 from services.rollout.engines.torch_engine import TorchEngine
 from services.rollout.router import Router
-from services.rollout.weights import WeightSwapper, WeightsRefused
+from services.rollout.weights import WeightsRefused, WeightSwapper
 
 CFG = ModelConfig.model_validate({})
 
