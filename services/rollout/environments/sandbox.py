@@ -133,6 +133,25 @@ def isolation() -> Isolation:
     return level
 
 
+@functools.cache
+def _uid_can_exec(program: str) -> bool:
+    """Whether a sandbox uid can run the Python `program` and import pytest with it (probed once)."""
+    try:
+        argv = [*_ns_wrapper(SANDBOX_UID_BASE), program, "-I", "-c", "import pytest"]
+        ok = subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    if not ok:
+        log.warning(
+            "sandbox: uid %d cannot execute %s (a directory above it is closed to other users); the "
+            "scorer runs as this service's user in fresh namespaces. Install Gyre where other users may "
+            "enter (e.g. chmod o+x on its parent directories) for a scorer with a uid of its own.",
+            SANDBOX_UID_BASE,
+            program,
+        )
+    return ok
+
+
 def network_namespace_available() -> bool:
     """True if sandboxed commands run without network (a network namespace of their own)."""
     return isolation() in ("namespaces+uid", "namespaces")
@@ -274,8 +293,13 @@ class CommandResult:
 class SandboxUser:
     """Who sandboxed processes run as: a claimed uid (root) or this user plus an environment marker."""
 
-    def __init__(self) -> None:
+    def __init__(self, interpreter: str | None = None) -> None:
+        """`interpreter`: a program this user must be able to execute (the scorer's Python). When the
+        sandbox uid cannot reach it (a venv under a directory only its owner may enter), the processes
+        run as this service's own user instead, still in fresh namespaces, and a warning says so."""
         self.level = isolation()
+        if interpreter is not None and self.level == "namespaces+uid" and not _uid_can_exec(interpreter):
+            self.level = "namespaces"
         self.lease = claim_uid() if self.level in ("namespaces+uid", "uid") else None
         self.marker = secrets.token_hex(8)
 

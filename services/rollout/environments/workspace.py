@@ -194,7 +194,7 @@ class WorkspaceEnv(Environment):
         digest = self._digest()
         if digest == self._scored_digest:
             return self._fraction
-        scorer = SandboxUser()
+        scorer = SandboxUser(interpreter=sys.executable)
         base = Path(tempfile.mkdtemp(prefix="gyre-score-"))
         try:
             code, tests, out = base / "code", base / "tests", base / "out"
