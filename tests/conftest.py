@@ -76,3 +76,16 @@ def run_dir(tmp_path: Path) -> Path:
     path = tmp_path / "run"
     path.mkdir()
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sandbox_users_can_reach_the_venv() -> None:
+    """As root, sandboxed agents and the scorer run as uids of their own and must execute this venv's
+    Python. A clone inside a directory closed to other users (e.g. a 0700 `mktemp -d`) would hide it:
+    give its ancestors the search bit (o+x: enter, not list) as docs/rollout.md asks of a deployment."""
+    if os.geteuid() != 0:
+        return
+    for parent in Path(__file__).resolve().parents:
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            os.chmod(parent, mode | 0o001)
