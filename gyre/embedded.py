@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -316,12 +317,18 @@ def _postgres_bin_dir_for(user: pwd.struct_passwd | None) -> Path:
 def _root_pgdata_home(data_dir: Path) -> Path:
     """Where the cluster of `data_dir` lives when we are root: a directory the Postgres user can
     always reach (the run dir's ancestors may be private to root, e.g. pytest's 0700 tmp root).
-    `<home>.owner` names the data_dir; clusters whose data_dir is gone are deleted here."""
+    A data_dir that already links to its cluster keeps it; a new one gets a new cluster of its own,
+    even at a path an earlier run dir had (`gyre run` moves the previous run aside and reuses its
+    path: keying clusters by path handed the new run the old run's tables). `<home>.owner` names the
+    data_dir; clusters whose data_dir is gone are deleted here."""
     base = Path(tempfile.gettempdir()) / "gyre-postgres"
     base.mkdir(mode=0o711, exist_ok=True)
     base.chmod(0o711)
     _collect_orphan_clusters(base)
-    home = base / hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
+    link = data_dir / "pgdata"
+    if link.is_symlink():
+        return Path(os.readlink(link))
+    home = base / secrets.token_hex(8)
     home.with_suffix(".owner").write_text(str(data_dir))
     return home
 
@@ -381,8 +388,6 @@ class EmbeddedPostgres(_ChildProcess):
 
     def _superuser_password(self) -> str:
         """The superuser's password: read from data_dir/superuser.password, or generated there (0600)."""
-        import secrets
-
         path = self.data_dir / "superuser.password"
         if path.is_file():
             return path.read_text().strip()
