@@ -623,6 +623,21 @@ class Bus:
             PUBLISH_DUPLICATES.labels(ack.stream).inc()
         return ack
 
+    async def last(self, subject: str, msg_type: type[M]) -> M | None:
+        """The newest message stored on `subject` (a concrete subject), decoded; None when none is.
+        For state a restarted service must start from although its durable consumer acked it (the
+        newest weights version). Undecodable: InvalidArgument."""
+        try:
+            stored = await self.js.get_last_msg(subjects.stream_for(subject).name, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        if not stored.data:
+            return None
+        try:
+            return msg_type.FromString(stored.data)
+        except DecodeError as exc:
+            raise InvalidArgument(f"the last message on {subject} is not a {msg_type.__name__}") from exc
+
     def publisher(self, max_pending: int = 10_000, *, stall_timeout_s: float = 30.0) -> Publisher:
         """A batched async publisher holding at most `max_pending` un-acked messages."""
         return Publisher(self, max_pending, stall_timeout_s)

@@ -184,6 +184,11 @@ class RolloutService(Service):
         )
         self.swapper.on_loaded = self.executions.on_version
         rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self), rt.server)
+        # A restarted rollout's durable weights consumer acked every earlier event: start from the
+        # newest version stored on the bus, or its engines would serve v0, too stale for admission.
+        newest = await rt.bus.last(subjects.weights(run_id), events_pb2.WeightsPublishedEvent)
+        if newest is not None:
+            await self.swapper.handle([newest])
         await rt.bus.consume(
             subjects.weights(run_id),
             events_pb2.WeightsPublishedEvent,

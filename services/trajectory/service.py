@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import grpc
-import nats.js.errors
 
 from gyre import rpc
 from gyre.bus import Bus, Consumer, subjects
@@ -185,13 +184,9 @@ class TrajectoryService(Service):
         """Start the gate at the newest weights version stored on the bus. A restarted service's
         durable weights consumer has acked every earlier event, so without this the gate would
         restart at 0 and dead-letter the rollout's current steps as 'version ahead'."""
-        subject = subjects.weights(run)
-        try:
-            last = await bus.js.get_last_msg(subjects.stream_for(subject).name, subject)
-        except nats.js.errors.NotFoundError:
-            return  # nothing published yet: 0 is right
-        if last.data:
-            gate.note_weights(events_pb2.WeightsPublishedEvent.FromString(last.data).weights.version)
+        last = await bus.last(subjects.weights(run), events_pb2.WeightsPublishedEvent)
+        if last is not None:
+            gate.note_weights(last.weights.version)
 
     async def _on_weights(self, msgs: list[events_pb2.WeightsPublishedEvent]) -> None:
         assert self.gate is not None

@@ -248,3 +248,15 @@ async def test_a_message_the_handler_refuses_is_dead_lettered_and_its_batch_mate
         "GYRE_DEAD_LETTERS", subjects_filter=subjects.dead_letters(run_id, "test")
     )
     assert (info.state.subjects or {}).get(subjects.dead_letters(run_id, "test")) == 1
+
+
+async def test_last_is_the_newest_stored_message_of_a_subject_or_none(bus: Bus, run_id: str) -> None:
+    """What a restarted service starts from although its durable consumer acked it (weights)."""
+    subject = subjects.weights(run_id)
+    assert await bus.last(subject, events_pb2.WeightsPublishedEvent) is None
+    for version in (3, 7):
+        event = events_pb2.WeightsPublishedEvent(event_id=f"w.{run_id}.{version}", run_id=run_id)
+        event.weights.version = version
+        await bus.publish(subject, event, msg_id=event.event_id)
+    last = await bus.last(subject, events_pb2.WeightsPublishedEvent)
+    assert last is not None and last.weights.version == 7
