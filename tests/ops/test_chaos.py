@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +108,5 @@ def test_a_job_whose_rollout_is_killed_restarts_it_and_completes_losing_nothing(
     assert result["steps_stored"] >= result["steps_emitted"] > 0
     stats = json.loads((tmp_path / "run" / "final_stats.json").read_text())
     assert "executions_started" in stats["rollout"]  # the rollout's counters, read before it stopped
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert re.search(r"Services restarted by the supervisor: .*rollout [1-9]\d*x", report), report[-2000:]

@@ -245,11 +245,21 @@ def service_counters(run_dir: Path) -> dict[str, float]:
         return {}
 
 
+def supervisor_restarts(run_dir: Path) -> dict[str, int]:
+    """Service -> times the launcher's supervisor restarted it (final_stats.json), or {}."""
+    try:
+        restarts = json.loads((run_dir / "final_stats.json").read_text())["launcher"]["restarts"]
+        return {str(k): int(v) for k, v in restarts.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 def render_markdown(
     a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path, incomplete: str | None = None
 ) -> str:
     """report.md text (`incomplete`: why the run did not complete, stated at the top)."""
     counters = service_counters(run_dir)
+    restarts = supervisor_restarts(run_dir)
     service_ratio = (
         counters["batched_flat_tokens"] / counters["batched_tokens"]
         if counters.get("batched_tokens")
@@ -303,6 +313,10 @@ def render_markdown(
         *[f"| {role} | {sec:.1f} | {sec / total_dev:.0%} |" for role, sec in a.device_time_s.items()],
         "",
         f"Device idle fraction (idle + switching): **{_fmt(a.device_idle_fraction, 3)}**.",
+        "",
+        "Services restarted by the supervisor: "
+        + (", ".join(f"{svc} {n}x" for svc, n in sorted(restarts.items())) or "none")
+        + " (a service that exits unexpectedly is restarted within the launcher's budget).",
         "",
         "## Trajectories: trees and dedup",
         "",
