@@ -298,8 +298,14 @@ def run_chaos(
 
     from gyre.app.exactly_once import run_probe
     from gyre.app.job.config import JobConfig
-    from gyre.app.job.report import build_report
-    from gyre.app.job.run import CONFIG_NAME, drive, effective_config, prepare_run_dir, service_wiring
+    from gyre.app.job.run import (
+        CONFIG_NAME,
+        drive,
+        effective_config,
+        finish_run,
+        prepare_run_dir,
+        service_wiring,
+    )
     from gyre.app.launcher.deployment import Deployment
     from gyre.config import load_common, load_section
 
@@ -337,18 +343,7 @@ def run_chaos(
             progress(f"could not read the trajectory's batches: {exc!r}")
             in_store = None
     wall_s = time.time() - started
-    (out_dir / "final_stats.json").write_text(
-        json.dumps(outcome.final_stats, indent=2, sort_keys=True) + "\n"
-    )
-    report = build_report(
-        out_dir,
-        extra={
-            "job_wall_s": wall_s,
-            "job_completed": outcome.reached_steps,
-            "job_end_reason": outcome.reason,
-        },
-        seed=common.seed,
-    )
+    report = finish_run(out_dir, outcome, wall_s=wall_s, seed=common.seed)
     counters = tally(out_dir, outcome.final_stats, faults, in_store)
     probe = run_probe(out_dir / "exactly_once", effective, steps=8, seed=seed)
     summary = report.summary

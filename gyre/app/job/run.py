@@ -36,11 +36,14 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from gyre.app.job.config import JobConfig
+
+if TYPE_CHECKING:
+    from gyre.app.job.report import Report
 from gyre.config import load_common, load_section, load_yaml
 from gyre.errors import ConfigError, GyreError
 
@@ -334,11 +337,35 @@ def _print_headline(lines: list[str]) -> None:
         print(line, flush=True)
 
 
+def finish_run(out_dir: Path, outcome: JobOutcome, *, wall_s: float, seed: int) -> Report:
+    """Write final_stats.json and the outcome file, then the report (returned; ValueError when there
+    is nothing to report on). The one ending of a job, for `gyre run` and `gyre chaos` alike."""
+    from gyre.app.job.report import OUTCOME_NAME, build_report
+
+    (out_dir / FINAL_STATS_NAME).write_text(json.dumps(outcome.final_stats, indent=2, sort_keys=True) + "\n")
+    (out_dir / OUTCOME_NAME).write_text(
+        json.dumps({"completed": outcome.reached_steps, "reason": outcome.reason}) + "\n"
+    )
+    restarts = outcome.final_stats.get("launcher", {}).get("restarts", {})
+    if restarts:
+        print(f"restarts by the supervisor: {restarts}", flush=True)
+    return build_report(
+        out_dir,
+        extra={
+            "job_wall_s": wall_s,
+            "job_completed": outcome.reached_steps,
+            "job_end_reason": outcome.reason,
+            "restarts": restarts,  # service -> restarts by the launcher's supervisor
+        },
+        seed=seed,
+    )
+
+
 def run_job(
     config_path: Path, *, policy: str | None = None, steps: int | None = None, run_dir: Path | None = None
 ) -> int:
     """Run one job end to end (see the module docstring); return the exit status."""
-    from gyre.app.job.report import OUTCOME_NAME, build_report, headline
+    from gyre.app.job.report import headline
     from gyre.app.launcher.deployment import Deployment, DeploymentError
 
     raw = effective_config(config_path, policy=policy, steps=steps, run_dir=run_dir)
@@ -376,25 +403,9 @@ def run_job(
             return 1
         outcome = JobOutcome(False, f"deployment failed: {exc.service}")
     wall_s = time.time() - started
-    (out_dir / FINAL_STATS_NAME).write_text(json.dumps(outcome.final_stats, indent=2, sort_keys=True) + "\n")
-    (out_dir / OUTCOME_NAME).write_text(
-        json.dumps({"completed": outcome.reached_steps, "reason": outcome.reason}) + "\n"
-    )
-    restarts = outcome.final_stats.get("launcher", {}).get("restarts", {})
     print(f"job ended: {outcome.reason} ({wall_s:.0f} s); writing the report", flush=True)
-    if restarts:
-        print(f"restarts by the supervisor: {restarts}", flush=True)
     try:
-        report = build_report(
-            out_dir,
-            extra={
-                "job_wall_s": wall_s,
-                "job_completed": outcome.reached_steps,
-                "job_end_reason": outcome.reason,
-                "restarts": restarts,  # service -> restarts by the launcher's supervisor
-            },
-            seed=common.seed,
-        )
+        report = finish_run(out_dir, outcome, wall_s=wall_s, seed=common.seed)
     except ValueError as exc:
         print(f"error: no report: {exc}", file=sys.stderr)
         return 1
