@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from gyre.app.job.analysis import ROLES, STALL_ZERO_VARIANCE, RunAnalysis
 
@@ -20,6 +21,14 @@ def _pyplot():  # type: ignore[no-untyped-def]
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write `path` (PNG, 110 dpi) and free the figure; returns `path`."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_reward(a: RunAnalysis, path: Path) -> Path:
@@ -82,10 +91,7 @@ def plot_reward(a: RunAnalysis, path: Path) -> Path:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _shade_stall(ax, a: RunAnalysis) -> None:  # type: ignore[no-untyped-def]
@@ -143,10 +149,7 @@ def plot_learning_health(a: RunAnalysis, path: Path) -> Path:
     fig.suptitle(
         a.stall.message() if a.stall is not None else "Learning health: no stall", fontsize=8, wrap=True
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_device_roles(a: RunAnalysis, path: Path) -> Path:
@@ -171,10 +174,7 @@ def plot_device_roles(a: RunAnalysis, path: Path) -> Path:
     handles = [plt.Rectangle((0, 0), 1, 1, color=ROLE_COLORS[r]) for r in ROLES]
     ax.legend(handles, ROLES, ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     ax.set_xlim(0, max(a.duration_s, 1e-6))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_tree_and_dedup(a: RunAnalysis, path: Path) -> Path:
@@ -198,10 +198,7 @@ def plot_tree_and_dedup(a: RunAnalysis, path: Path) -> Path:
     ax2.legend(fontsize=8)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_staleness(a: RunAnalysis, path: Path) -> Path:
@@ -217,10 +214,7 @@ def plot_staleness(a: RunAnalysis, path: Path) -> Path:
     worst = max(a.batch_max_staleness, default=0)
     ax.set_title(f"Token staleness at training (max per batch: {worst})")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_time_breakdown(a: RunAnalysis, path: Path) -> Path:
@@ -250,10 +244,7 @@ def plot_time_breakdown(a: RunAnalysis, path: Path) -> Path:
     else:
         ax2.text(0.5, 0.5, "no trainer timings (*_s metrics)", ha="center", va="center")
     ax2.set_title(f"Trainer step: {a.time_per_step_s:.1f} s wall per step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_all(a: RunAnalysis, out_dir: Path) -> dict[str, Path]:
