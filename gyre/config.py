@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from gyre.errors import ConfigError
+from gyre.pacing import DevicesConfig
 
 M = TypeVar("M", bound="ConfigModel")
 
@@ -64,6 +65,10 @@ class CommonConfig(ConfigModel):
     )
     seed: int = Field(0, ge=0, description="Seed of every random generator in the run.")
     log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="Python log level.")
+    devices: DevicesConfig = Field(
+        default_factory=lambda: DevicesConfig.model_validate({}),
+        description="The pool's devices as every worker sees them: paced devices (gyre/pacing.py).",
+    )
 
 
 def _env_overrides(section: str | None) -> dict[str, Any]:

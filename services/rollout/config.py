@@ -58,8 +58,12 @@ class RolloutConfig(ConfigModel):
         ),
     )
 
-    environment: Literal["longhorizon", "workspace"] = Field(
-        "longhorizon", description="Task family of the executions."
+    environment: Literal["longhorizon", "workspace", "workload"] = Field(
+        "longhorizon",
+        description=(
+            "Task family of the executions; 'workload' follows the workload file of devices.pacing "
+            "(turns, tokens, tool latencies; for timing, services/rollout/environments/workload.py)."
+        ),
     )
     workspace_tasks: Path = Field(
         Path("examples/tasks/workspace.jsonl"), description="JSONL tasks of the workspace environment."

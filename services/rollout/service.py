@@ -21,8 +21,9 @@ from typing import Any
 from gyre import rpc
 from gyre.bus import subjects
 from gyre.config import CommonConfig
-from gyre.errors import InvalidArgument
+from gyre.errors import ConfigError, InvalidArgument
 from gyre.lease_client import LeaseClient
+from gyre.pacing import Pacer
 from gyre.service import Runtime, Service
 from gyre.v1 import common_pb2, events_pb2, rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -39,7 +40,17 @@ from .weights import WeightSwapper
 log = logging.getLogger(__name__)
 
 
-def make_family(cfg: RolloutConfig, seed: int) -> TaskFamily:
+def make_family(cfg: RolloutConfig, seed: int, pacer: Pacer | None = None) -> TaskFamily:
+    if cfg.environment == "workload":  # the workload file of devices.pacing (gyre/pacing.py)
+        from gyre.workload import load_workload_file
+
+        from .environments.workload import WorkloadFamily
+
+        pacer = pacer or Pacer()
+        if pacer.cfg.workload_file is None:
+            raise ConfigError("rollout.environment 'workload' needs devices.pacing.workload_file")
+        workload = load_workload_file(pacer.cfg.workload_file)
+        return WorkloadFamily(workload, pacer, pacer.cfg.time_scale)
     if cfg.environment == "workspace":
         from .environments.workspace import WorkspaceFamily
 
@@ -118,6 +129,10 @@ class RolloutService(Service):
         )
         self.state = common_pb2.SERVICE_STATE_STARTING
         self._engine_seq = 0
+        # paced devices (devices.pacing; off: no wait anywhere)
+        self.pacer = Pacer(
+            common.devices.pacing, busy_log_path=common.run_dir / "pacing" / f"{cfg.worker_id}.jsonl"
+        )
         self.http: Any = None
         self.http_port = 0
 
@@ -141,6 +156,7 @@ class RolloutService(Service):
             init_seed=self.cfg.init_seed,
             initial_weights=self.swapper.latest,
             init_weights=self.cfg.init_weights,
+            pacer=self.pacer,
         )
 
     async def start_engine(self, device_id: str) -> None:
@@ -154,7 +170,10 @@ class RolloutService(Service):
         log.info("engine %s serving on %s (weights v%d)", engine.engine_id, device_id, engine.weight_version)
 
     async def stop_engine(self, device_id: str) -> None:
+        t0 = self.pacer.clock()
         await self.router.remove_engine(device_id)
+        # paced: the device changes role (to training) before it is released
+        await self.pacer.wait("role_change", t0, lambda: self.pacer.role_change_s("train"))
         log.info("engine on %s drained and stopped", device_id)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -174,7 +193,7 @@ class RolloutService(Service):
         )
         self.executions = ExecutionManager(
             Agent(self.router, self.sink, agent_cfg),
-            make_family(cfg, self.common.seed),
+            make_family(cfg, self.common.seed, self.pacer),
             run_id=run_id,
             seed=self.common.seed,
             max_live=cfg.max_live_executions,

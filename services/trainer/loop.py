@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from gyre.model import build_model, save_weights
+from gyre.pacing import Pacer
 from gyre.v1 import common_pb2
 from services.trainer.batch import PackedBatch
 from services.trainer.checkpoint import CheckpointStore, Journal, TrainState
@@ -128,6 +130,7 @@ class Trainer:
         self.last_metrics: dict[str, float] = {}
         self.last_batch_groups = 0  # scored groups in the last batch pulled
         self.latest_weights = common_pb2.WeightVersion()
+        self.pacer = Pacer()  # paced devices (devices.pacing): set by the service; off = no wait
         self.state = self.store.load_latest(self.model, self.optimizer) or TrainState()
         self.journal = self.store.read_journal()
         self.journal.last_published_version = max(self.journal.last_published_version, self.state.version)
@@ -246,7 +249,12 @@ class Trainer:
                 if self.dp.size == 0:  # stopping while no device is held: the step is abandoned
                     raise StepAbandoned(batch.batch_id)
                 t0, size = time.perf_counter(), self.dp.size
+                m0 = self.pacer.clock()
                 parts += await asyncio.to_thread(self._micro, micro)
+                # paced: the micro-batch takes the modelled time of its share of the step's groups
+                groups = len(set(batch.group_ids)) * micro.num_tokens / max(1, batch.num_tokens)
+                await self.pacer.wait("train", m0, functools.partial(self.pacer.train_s, groups, size))
+                self.pacer.busy("train", "trainer", m0, self.pacer.clock(), devices=size)
                 self.micro_device_s = (time.perf_counter() - t0) * size
                 self.micro_left -= 1
                 sizes.append(size)

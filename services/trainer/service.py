@@ -27,6 +27,7 @@ import gyre.rpc
 from gyre.bus import Bus, subjects
 from gyre.config import CommonConfig
 from gyre.lease_client import LeaseClient
+from gyre.pacing import Pacer
 from gyre.service import Runtime, Service
 from gyre.v1 import (
     common_pb2,
@@ -108,6 +109,9 @@ class TrainDevices:
         self.trainer.set_devices(sorted(self.held))
         await self.trainer.wake()
         await self.trainer.wait_devices_applied()
+        # paced: the device changes role (back to rollout) before it is released
+        pacer = self.trainer.pacer
+        await pacer.wait("role_change", pacer.clock(), lambda: pacer.role_change_s("rollout"))
 
 
 class TrainerService(Service):
@@ -137,6 +141,10 @@ class TrainerService(Service):
 
         self.trainer = await asyncio.to_thread(
             Trainer, self.cfg, self.common.run_dir, source, sink, self.common.seed
+        )
+        self.trainer.pacer = Pacer(
+            self.common.devices.pacing,
+            busy_log_path=self.common.run_dir / "pacing" / f"{self.cfg.worker_id}.jsonl",
         )
         self.devices = TrainDevices(self.trainer)
         await self._adopt_unreceived_batches(rt.bus, source)

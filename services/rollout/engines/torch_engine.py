@@ -12,6 +12,14 @@ loop (agents, gRPC, HTTP) stays responsive::
 Waits on: new requests when idle. Back-pressure: at most `max_batch` sequences decode at once;
 the rest wait in the queue (counted in num_active). Works on CPU and CUDA (`torch_device`).
 
+Paced devices (gyre/pacing.py, `devices.pacing`): each admitted sequence gets a deadline, its turn
+priced by the cost model (prefill or, after a migration, the KV copy, then its modelled tokens at the
+engine's decode step time for every sequence decoding when it is admitted); the real tokens are
+computed at once and the completion is answered no earlier than the deadline. A sequence cut by a
+drain before its deadline keeps only the share of its tokens the modelled time covered (the rest is
+generated again where it resumes, from the same seed). A new weight version stalls admission for
+`weight_sync_s`. The loop waits with asyncio (never a busy loop); with pacing off nothing waits.
+
 Failure: a prompt that is not a list of int token ids inside the vocabulary is refused in
 `generate` (InvalidArgument) before it reaches the loop. If the loop still raises, every request
 queued or running fails with Unavailable naming the error, later requests fail the same way at
@@ -30,6 +38,7 @@ import torch
 
 from gyre.errors import InvalidArgument, Unavailable
 from gyre.model import ModelConfig
+from gyre.pacing import Pacer
 from gyre.service import supervise
 from gyre.v1 import common_pb2
 
@@ -46,6 +55,10 @@ class _Sequence:
     cache: Any = None
     out: Completion = field(default_factory=Completion)
     finished: str = ""
+    # paced devices: monotonic admission time and deadline (0: unpaced), modelled context decoding
+    started: float = 0.0
+    due: float = 0.0
+    modeled_context: float = 0.0
 
     @property
     def next_position(self) -> int:
@@ -64,6 +77,7 @@ class TorchEngine(Engine):
         init_seed: int = 0,
         initial_weights: common_pb2.WeightVersion | None = None,
         init_weights: str | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.engine_id, self.device_id = engine_id, device_id
         self.model_config = model_config or ModelConfig.model_validate({})
@@ -83,6 +97,9 @@ class TorchEngine(Engine):
         self._drained = asyncio.Event()
         self._tokens_generated = 0
         self._failure: BaseException | None = None  # why the loop died, once it did
+        self._pacer = pacer or Pacer()  # off unless devices.pacing is on
+        self._stall_until = 0.0  # paced: no admission before this monotonic time (weight sync)
+        self._busy_since: float | None = None  # paced: when the engine last began holding sequences
 
     # -- Engine interface --------------------------------------------------------------------
     @property
@@ -196,15 +213,21 @@ class TorchEngine(Engine):
                     self._cut_all()
                     return
                 self._drop_cancelled()
-                admitted = self._queue[: max(0, self.max_batch - len(self._running))]
+                now = self._pacer.clock()
+                room = max(0, self.max_batch - len(self._running))
+                admitted = self._queue[:room] if now >= self._stall_until else []
                 del self._queue[: len(admitted)]
                 if admitted:
                     await asyncio.to_thread(self._prefill, admitted)
+                    self._pace(admitted, now)
                     self._running += admitted
                     self._answer_finished()
-                if self._running:
+                if any(not s.finished for s in self._running):
                     await asyncio.to_thread(self._decode, list(self._running))
                     self._answer_finished()
+                elif self._running or (self._queue and not admitted):
+                    self._answer_finished()  # paced: deadlines that passed meanwhile
+                    await self._wait_paced()
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 self._failure = exc
@@ -214,6 +237,7 @@ class TorchEngine(Engine):
                 if not seq.future.done():
                     seq.future.set_exception(Unavailable(f"engine {self.engine_id} failed: {exc!r}"))
             self._queue, self._running = [], []
+            self._note_idle()
             for _weights, done in self._pending_weights:
                 if not done.done():
                     done.set_exception(Unavailable(f"engine {self.engine_id} failed: {exc!r}"))
@@ -227,7 +251,11 @@ class TorchEngine(Engine):
             weights, done = self._pending_weights.pop(0)
             try:
                 if weights.version > self._version:
+                    t0 = self._pacer.clock()
                     await asyncio.to_thread(self._load, weights)
+                    if self._pacer.enabled:  # new turns wait for the modelled weight sync
+                        wall = self._pacer.request("weight_sync", t0, self._pacer.weight_sync_s())
+                        self._stall_until = max(self._stall_until, self._pacer.clock() + wall)
                 done.set_result(None)
             except Exception as exc:  # a bad file must not kill the engine: the caller hears why
                 done.set_exception(exc)
@@ -241,11 +269,71 @@ class TorchEngine(Engine):
         log.info("engine %s loaded weights v%d", self.engine_id, self._version)
 
     def _cut_all(self) -> None:
+        now = self._pacer.clock()
         for seq in self._queue + self._running:
             if not seq.future.done():
+                if seq.due > now:  # paced: only the tokens the modelled time covered are out
+                    self._truncate_to_modeled(seq, now)
                 seq.out.finish_reason = "cut"
                 seq.future.set_result(seq.out)
         self._queue, self._running = [], []
+        self._note_idle()
+
+    # -- paced devices (gyre/pacing.py) -----------------------------------------------------------
+    def _pace(self, admitted: list[_Sequence], now: float) -> None:
+        """Give each admitted sequence its deadline: its turn priced by the cost model against the
+        modelled context of every sequence decoding on this engine (itself included)."""
+        if not self._pacer.enabled:
+            return
+        if self._busy_since is None:
+            self._busy_since = now
+        decoding = sum(s.modeled_context for s in self._running if s.due > now)
+        for seq in admitted:
+            req = seq.request
+            turn = self._pacer.turn_of(
+                req.execution_id, len(req.prompt_ids), req.sampling.max_tokens, req.token_offset
+            )
+            seq.modeled_context = turn.context_tokens + turn.new_tokens
+            modeled = self._pacer.generation_s(turn, decoding, resumed=req.token_offset > 0)
+            decoding += seq.modeled_context
+            seq.started = now
+            seq.due = self._pacer.deadline(now, modeled)
+            self._pacer.request("generate", now, modeled)
+
+    def _truncate_to_modeled(self, seq: _Sequence, now: float) -> None:
+        """Keep the share of the tokens the elapsed modelled time covers (at least one fewer than all,
+        so the resumed request has tokens left to generate)."""
+        n = len(seq.out.token_ids)
+        share = (now - seq.started) / (seq.due - seq.started) if seq.due > seq.started else 1.0
+        keep = min(n - 1, int(n * max(0.0, share))) if n else 0
+        out = seq.out
+        out.token_ids, out.logprobs, out.versions = (
+            out.token_ids[:keep],
+            out.logprobs[:keep],
+            out.versions[:keep],
+        )
+
+    async def _wait_paced(self) -> None:
+        """Nothing to decode: wait for the next deadline, the end of a weight-sync stall, or news."""
+        now = self._pacer.clock()
+        if self._queue and len(self._running) < self.max_batch and self._stall_until <= now:
+            return  # a request came in meanwhile: admit it first
+        times = [s.due for s in self._running if s.due > now]
+        if self._queue and self._stall_until > now:
+            times.append(self._stall_until)
+        self._wake.clear()
+        if not times:
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, min(times) - now))
+        except TimeoutError:
+            pass
+
+    def _note_idle(self) -> None:
+        """The engine holds no sequence any more: log the busy interval that ended (paced runs)."""
+        if self._busy_since is not None and not self._running:
+            self._pacer.busy("rollout", self.device_id, self._busy_since, self._pacer.clock())
+            self._busy_since = None
 
     def _drop_cancelled(self) -> None:
         self._queue = [s for s in self._queue if s.finished != "cancelled"]
@@ -290,8 +378,9 @@ class TorchEngine(Engine):
 
     def _answer_finished(self) -> None:
         still = []
+        now = self._pacer.clock()
         for seq in self._running:
-            if seq.finished in {"stop", "length"}:
+            if seq.finished in {"stop", "length"} and seq.due <= now:
                 seq.out.finish_reason = seq.finished
                 seq.cache = None
                 if not seq.future.done():
@@ -299,3 +388,4 @@ class TorchEngine(Engine):
             elif seq.finished != "cancelled":
                 still.append(seq)
         self._running = still
+        self._note_idle()

@@ -1,0 +1,139 @@
+"""`workload`: executions shaped by a workload file, for timing (paced devices), not for learning a skill.
+
+The workload file is the one `gyre sim --workload-file` reads (gyre/workload.py): each execution
+follows one `ExecutionPlan` of the simulator's seeded sampler (`sample_executions`): its number of
+turns, each turn's modelled observation and generated tokens, and the tool latency after each turn.
+Execution `e<k>` of the `n`-th group of task `wl-<i>` follows the plan of simulated step
+`n mod num_steps`, task `i mod tasks_per_step`, sample `k mod group_size`, so a run with
+`tasks_per_step` tasks in continuous mode (one group per task per trainer step) sees the
+simulator's batches. The execution learns its id from the asyncio task that runs it (the rollout
+names each execution's task by its execution id, services/rollout/executions.py); under any other
+driver it takes plans in start order.
+
+Each turn the environment tells the pacer (gyre/pacing.py) the turn's modelled tokens (context so
+far, observation, generated), so a paced engine takes as long as the modelled accelerator would;
+the real observation is one short message and the real completion is `rollout.max_tokens` tokens.
+After each turn but the last the environment waits its tool latency / `time_scale` (asyncio sleep).
+
+Reward (documented, honest, learnable, and beside the point): the share of turns whose first
+generated token is even. A random policy gets about 0.5; a policy can learn to reach 1.0. Progress:
+milestones = turns done of the plan's turns, so a truncated execution still carries a signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+from typing import Any
+
+from gyre.errors import InvalidArgument
+from gyre.pacing import ModeledTurn, Pacer
+from gyre.workload import ExecutionPlan, Workload, sample_executions
+
+from .base import Action, Environment, Progress, StepResult, TaskFamily
+
+_TASK_RE = re.compile(r"^wl-(\d+)$")
+_EXECUTION_RE = re.compile(r"^wl-(\d+)-(?:r\d+)?g(\d+)-e(\d+)$")
+
+
+def target_hit(token_ids: list[int]) -> bool:
+    """The rewarded choice: the turn's first generated token is even (nothing generated: a miss)."""
+    return bool(token_ids) and token_ids[0] % 2 == 0
+
+
+class WorkloadEnv(Environment):
+    name = "workload"
+
+    def __init__(self, family: WorkloadFamily, task_id: str, task_index: int) -> None:
+        self.family, self.task_id, self.task_index = family, task_id, task_index
+        self.plan: ExecutionPlan | None = None
+        self.execution_id = ""
+        self.turn = 0  # turns completed
+        self.context = 0.0  # modelled tokens in the context after the completed turns
+        self.hits = 0
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.plan.gen) if self.plan is not None else 0
+
+    def _announce(self) -> None:
+        """Tell the pacer the modelled tokens of the next call (before the agent makes it)."""
+        assert self.plan is not None
+        ctx_before = self.context
+        obs, gen = self.plan.obs[self.turn], self.plan.gen[self.turn]
+        if self.execution_id:
+            self.family.pacer.turns[self.execution_id] = ModeledTurn(ctx_before, obs, gen)
+
+    def _message(self) -> dict[str, Any]:
+        return {"role": "user", "content": f"t{self.turn}"}
+
+    async def reset(self) -> list[dict[str, Any]]:
+        task = asyncio.current_task()
+        self.execution_id = task.get_name() if task is not None else ""
+        self.plan = self.family.plan_for(self.task_index, self.execution_id)
+        self.turn, self.context, self.hits = 0, 0.0, 0
+        self._announce()
+        return [self._message()]
+
+    @property
+    def progress(self) -> Progress:
+        return Progress(
+            milestones_reached=self.turn,
+            milestones_total=max(1, self.num_turns),
+            extra={"turns": float(self.turn), "modeled_context_tokens": self.context},
+        )
+
+    async def step(self, action: Action) -> StepResult:
+        if self.plan is None:
+            raise RuntimeError("workload environment: step() before reset()")
+        self.hits += target_hit(action.token_ids)
+        self.context += self.plan.obs[self.turn] + self.plan.gen[self.turn]
+        latency = self.plan.env_s[self.turn]
+        self.turn += 1
+        if self.turn >= self.num_turns:
+            self.family.pacer.turns.pop(self.execution_id, None)
+            return StepResult([], self.progress, done=True, reward=self.hits / self.num_turns)
+        if latency > 0:
+            await asyncio.sleep(latency / self.family.time_scale)
+        self._announce()
+        return StepResult([self._message()], self.progress)
+
+    async def close(self) -> None:
+        self.family.pacer.turns.pop(self.execution_id, None)
+
+
+class WorkloadFamily(TaskFamily):
+    """Tasks `wl-<i>` whose executions follow the plans of a workload (see the module doc)."""
+
+    name = "workload"
+
+    def __init__(self, workload: Workload, pacer: Pacer | None = None, time_scale: float = 1.0) -> None:
+        if time_scale <= 0:
+            raise InvalidArgument(f"workload environment: time_scale must be > 0, got {time_scale}")
+        self.workload, self.time_scale = workload, time_scale
+        self.pacer = pacer or Pacer()
+        self.plans = sample_executions(workload)
+        self._order = itertools.count()
+
+    def task_ids(self, num_tasks: int) -> list[str]:
+        return [f"wl-{i:05d}" for i in range(num_tasks)]
+
+    def plan_for(self, task_index: int, execution_id: str) -> ExecutionPlan:
+        """The plan of an execution: by its id (group n, member k) when it has the rollout's form,
+        else the next one in start order."""
+        w = self.workload
+        m = _EXECUTION_RE.match(execution_id)
+        if m:
+            step, member = int(m.group(2)), int(m.group(3))
+        else:
+            n = next(self._order)
+            step, member = n // w.group_size, n % w.group_size
+        batch = self.plans[step % w.num_steps]
+        return batch[(task_index % w.tasks_per_step) * w.group_size + member % w.group_size]
+
+    def make(self, task_id: str) -> WorkloadEnv:
+        m = _TASK_RE.match(task_id)
+        if not m:
+            raise InvalidArgument(f"workload task ids look like 'wl-00003', got {task_id!r}")
+        return WorkloadEnv(self, task_id, int(m.group(1)))
