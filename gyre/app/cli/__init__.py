@@ -45,6 +45,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "executions across devices reassigned under load, live migration",
     ),
     "bench trainer": ("services.trainer.bench", "tree-packed vs flat training step"),
+    "bench elastic": (
+        "gyre.app.cli.bench_elastic",
+        "colocate, async and elastic on paced devices, each next to the simulator's prediction",
+    ),
     "fuzz": (
         "gyre.app.fuzz",
         "hypothesis inputs against the HTTP endpoint and event consumers (real servers); counts crashes",
