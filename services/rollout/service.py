@@ -50,7 +50,7 @@ def make_family(cfg: RolloutConfig, seed: int, pacer: Pacer | None = None) -> Ta
         if pacer.cfg.workload_file is None:
             raise ConfigError("rollout.environment 'workload' needs devices.pacing.workload_file")
         workload = load_workload_file(pacer.cfg.workload_file)
-        return WorkloadFamily(workload, pacer, pacer.cfg.time_scale)
+        return WorkloadFamily(workload, pacer, pacer.cfg.time_scale, tokens_per_call=cfg.max_tokens)
     if cfg.environment == "workspace":
         from .environments.workspace import WorkspaceFamily
 

@@ -13,10 +13,11 @@ from gyre.errors import ConfigError
 from gyre.model import ModelConfig
 from gyre.pacing import ModeledTurn, Pacer, PacingConfig
 from gyre.workload import load_workload_file, sample_executions
+from services.rollout.agent import AgentConfig, Conversation
 from services.rollout.engines.base import GenerationRequest, Sampling
 from services.rollout.engines.torch_engine import TorchEngine
 from services.rollout.environments.base import Action
-from services.rollout.environments.workload import WorkloadFamily, target_hit
+from services.rollout.environments.workload import WorkloadEnv, WorkloadFamily, target_hit
 
 SMALL = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "small.yaml"
 
@@ -172,3 +173,25 @@ async def test_workload_environment_follows_the_simulators_plans_and_tells_the_p
     turns, reward = await asyncio.create_task(run(), name="wl-00002-g1-e3")
     assert env.plan is not None and turns == len(env.plan.gen)
     assert reward == pytest.approx(sum(target_hit([2 if t % 2 else 3]) for t in range(turns)) / turns)
+
+
+async def test_every_workload_execution_has_the_same_real_tokens_so_a_batch_budget_counts_groups() -> None:
+    w = load_workload_file(SMALL)
+    family = WorkloadFamily(w, Pacer(paced(1e9)), time_scale=1e9, tokens_per_call=2)
+    lengths = set()
+
+    async def run(env: WorkloadEnv) -> int:
+        conv = Conversation(AgentConfig(max_tokens=2))
+        conv.add_opening(await env.reset())
+        while True:
+            prompt, completion = conv.prompt(), [7, 9]
+            result = await env.step(Action.from_ids(completion))
+            if result.done:
+                return len(prompt) + len(completion)
+            conv.add_turn(completion, result.messages)
+
+    for name in ("wl-00000-g0-e0", "wl-00001-g2-e1", "wl-00003-g4-e2"):
+        env = family.make(name.rsplit("-g", 1)[0])
+        lengths.add(await asyncio.create_task(run(env), name=name))
+        assert env.plan is not None
+    assert lengths == {family.tokens_per_execution}

@@ -12,8 +12,14 @@ driver it takes plans in start order.
 
 Each turn the environment tells the pacer (gyre/pacing.py) the turn's modelled tokens (context so
 far, observation, generated), so a paced engine takes as long as the modelled accelerator would;
-the real observation is one short message and the real completion is `rollout.max_tokens` tokens.
-After each turn but the last the environment waits its tool latency / `time_scale` (asyncio sleep).
+the real observation is an empty user message and the real completion is `tokens_per_call`
+(`rollout.max_tokens`) tokens. After each turn but the last the environment waits its tool latency
+/ `time_scale` (asyncio sleep).
+
+Every execution has the same number of real tokens (`live_tokens_per_execution`): the opening
+message is padded (with a letter of its own per group member, so members share no padding), so the
+trajectory service's token budget of a batch is a number of groups, as a simulated step is
+(assuming each call generates exactly `tokens_per_call` tokens without the end token).
 
 Reward (documented, honest, learnable, and beside the point): the share of turns whose first
 generated token is even. A random policy gets about 0.5; a policy can learn to reach 1.0. Progress:
@@ -27,6 +33,7 @@ import itertools
 import re
 from typing import Any
 
+from gyre import tokenizer
 from gyre.errors import InvalidArgument
 from gyre.pacing import ModeledTurn, Pacer
 from gyre.workload import ExecutionPlan, Workload, sample_executions
@@ -35,6 +42,21 @@ from .base import Action, Environment, Progress, StepResult, TaskFamily
 
 _TASK_RE = re.compile(r"^wl-(\d+)$")
 _EXECUTION_RE = re.compile(r"^wl-(\d+)-(?:r\d+)?g(\d+)-e(\d+)$")
+
+
+def _natural_tokens(turns: int, tokens_per_call: int) -> int:
+    """Real tokens of an execution of `turns` calls with an empty opening and empty observations: BOS,
+    the opening message, per earlier call its completion framed (assistant marker, end token) and an
+    empty observation, the last prompt's assistant marker and the last completion."""
+    opening = len(tokenizer.message_ids({"role": "user", "content": ""}))
+    observation = len(tokenizer.message_ids({"role": "user", "content": ""}))
+    return 1 + opening + (turns - 1) * (tokens_per_call + 2 + observation) + 1 + tokens_per_call
+
+
+def live_tokens_per_execution(workload: Workload, tokens_per_call: int) -> int:
+    """Real tokens of every execution of the workload (its longest plan's, plus one padding token)."""
+    longest = max(len(e.gen) for step in sample_executions(workload) for e in step)
+    return _natural_tokens(longest, tokens_per_call) + 1
 
 
 def target_hit(token_ids: list[int]) -> bool:
@@ -66,15 +88,17 @@ class WorkloadEnv(Environment):
             self.family.pacer.turns[self.execution_id] = ModeledTurn(ctx_before, obs, gen)
 
     def _message(self) -> dict[str, Any]:
-        return {"role": "user", "content": f"t{self.turn}"}
+        return {"role": "user", "content": ""}
 
     async def reset(self) -> list[dict[str, Any]]:
         task = asyncio.current_task()
         self.execution_id = task.get_name() if task is not None else ""
-        self.plan = self.family.plan_for(self.task_index, self.execution_id)
+        self.plan, member = self.family.plan_for(self.task_index, self.execution_id)
         self.turn, self.context, self.hits = 0, 0.0, 0
         self._announce()
-        return [self._message()]
+        f = self.family
+        pad = f.tokens_per_execution - _natural_tokens(self.num_turns, f.tokens_per_call)
+        return [{"role": "user", "content": chr(ord("a") + member % 26) * max(1, pad)}]
 
     @property
     def progress(self) -> Progress:
@@ -108,20 +132,29 @@ class WorkloadFamily(TaskFamily):
 
     name = "workload"
 
-    def __init__(self, workload: Workload, pacer: Pacer | None = None, time_scale: float = 1.0) -> None:
-        if time_scale <= 0:
-            raise InvalidArgument(f"workload environment: time_scale must be > 0, got {time_scale}")
-        self.workload, self.time_scale = workload, time_scale
+    def __init__(
+        self,
+        workload: Workload,
+        pacer: Pacer | None = None,
+        time_scale: float = 1.0,
+        tokens_per_call: int = 1,
+    ) -> None:
+        if time_scale <= 0 or tokens_per_call < 1:
+            raise InvalidArgument(
+                f"workload environment: need time_scale > 0 and tokens_per_call >= 1, got {time_scale}, {tokens_per_call}"
+            )
+        self.workload, self.time_scale, self.tokens_per_call = workload, time_scale, tokens_per_call
         self.pacer = pacer or Pacer()
         self.plans = sample_executions(workload)
+        self.tokens_per_execution = live_tokens_per_execution(workload, tokens_per_call)
         self._order = itertools.count()
 
     def task_ids(self, num_tasks: int) -> list[str]:
         return [f"wl-{i:05d}" for i in range(num_tasks)]
 
-    def plan_for(self, task_index: int, execution_id: str) -> ExecutionPlan:
-        """The plan of an execution: by its id (group n, member k) when it has the rollout's form,
-        else the next one in start order."""
+    def plan_for(self, task_index: int, execution_id: str) -> tuple[ExecutionPlan, int]:
+        """The plan of an execution and its member index: by its id (group n, member k) when it has
+        the rollout's form, else the next one in start order."""
         w = self.workload
         m = _EXECUTION_RE.match(execution_id)
         if m:
@@ -130,7 +163,7 @@ class WorkloadFamily(TaskFamily):
             n = next(self._order)
             step, member = n // w.group_size, n % w.group_size
         batch = self.plans[step % w.num_steps]
-        return batch[(task_index % w.tasks_per_step) * w.group_size + member % w.group_size]
+        return batch[(task_index % w.tasks_per_step) * w.group_size + member % w.group_size], member
 
     def make(self, task_id: str) -> WorkloadEnv:
         m = _TASK_RE.match(task_id)
