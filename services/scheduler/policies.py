@@ -201,6 +201,12 @@ class ElasticPolicy(Policy):
       step cadence (`trainer_step_s`) exceeds `min_step_over_switch` role changes (`role_change_s`);
       on shorter steps Elastic holds its split like Async. A trainer with work and no device always
       gets one.
+    - Never strand the trainer: a trainer with work that holds fewer devices than its home share
+      (pool - `home_rollout_devices`) gets its borrowed devices back (down to what live executions
+      need) whatever the cadence, including before the first step, when the cadence is still
+      unknown. So Elastic never trains on fewer devices than Async at the same split while rollout
+      has devices to spare, and with the best Async split as its home it starts from the best
+      static plan and moves away from it only where a side has devices it does not use.
     """
 
     name = "elastic"
@@ -247,10 +253,20 @@ class ElasticPolicy(Policy):
         the first step: no optional move)."""
         return snapshot.trainer_step_s > self.min_step_over_switch * self.role_change_s
 
-    def _lending_pays(self, snapshot: PoolSnapshot) -> bool:
-        if snapshot.count(Role.TRAIN) < max(1, self.min_train_devices):
-            return True  # a trainer with work and no device is stranded: always worth a move
-        return self._moves_pay(snapshot)
+    def home_train_devices(self, snapshot: PoolSnapshot) -> int:
+        """The trainer's share at the home split: the pool less `home_rollout_devices` (half by default)."""
+        total = len(snapshot.devices)
+        return max(self.min_train_devices, total - (self.home_rollout_devices or max(1, total // 2)))
+
+    def lendable(self, snapshot: PoolSnapshot, spare: int) -> int:
+        """How many of `spare` rollout devices (beyond the target) go to a trainer with work now:
+        all of them when moves pay for themselves or the trainer holds no device; otherwise only
+        those the trainer lent out (back up to its home share), since a stranded trainer costs more
+        than two role changes; else none."""
+        train = snapshot.count(Role.TRAIN)
+        if train < max(1, self.min_train_devices) or self._moves_pay(snapshot):
+            return spare
+        return max(0, min(spare, self.home_train_devices(snapshot) - train))
 
     def plan(self, snapshot: PoolSnapshot) -> list[Reassignment]:
         target = self.target_rollout(snapshot)
@@ -263,7 +279,8 @@ class ElasticPolicy(Policy):
             why = f"elastic: {snapshot.live_executions} live executions need {target} rollout devices"
             return [Reassignment(d.device_id, Role.ROLLOUT, why) for d in donors[: target - have]]
         moves: list[Reassignment] = []
-        if target < have and snapshot.trainer_wants_devices and self._lending_pays(snapshot):
+        lend = self.lendable(snapshot, have - target) if snapshot.trainer_wants_devices else 0
+        if target < have and lend > 0:
             # Only settled rollout devices lend; the ones that stay must hold every live execution.
             settled = sorted(
                 (d for d in still if d.role == Role.ROLLOUT), key=lambda d: d.device_id, reverse=True
@@ -272,7 +289,7 @@ class ElasticPolicy(Policy):
             resident = max(0, snapshot.live_executions - snapshot.queued_generations)
             room = max(0, len(settled) - math.ceil(resident / cap))
             why = f"elastic: {snapshot.live_executions} live executions fit on {target} devices; lending the rest"
-            moves = [Reassignment(d.device_id, Role.TRAIN, why) for d in settled[: min(have - target, room)]]
+            moves = [Reassignment(d.device_id, Role.TRAIN, why) for d in settled[: min(lend, room)]]
         idle = [d for d in still if d.role == Role.IDLE]
         role = Role.TRAIN if snapshot.trainer_wants_devices or target <= have else Role.ROLLOUT
         moves += [Reassignment(d.device_id, role, "elastic: idle device put to work") for d in idle]

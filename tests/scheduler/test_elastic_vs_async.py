@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from services.scheduler.sim import load_workload_file
-from services.scheduler.sim.compare import compare
+from services.scheduler.sim.compare import compare, elastic_policy, simulate
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "examples" / "workloads"
 
-# Measured at the default seeds (docs/simulator.md has the intervals): Elastic pays role changes and
-# a half-pool home split that is not always the best static split; 3% is the regression guard.
-WITHIN = 0.97
+# The bar: Elastic starts from the best static split (its home) and moves only where a side
+# has devices to spare, so it may lose at most what a few role changes cost (docs/simulator.md has the
+# intervals over five seeds on every workload).
+WITHIN = 0.98
 
 
 @pytest.fixture(scope="module", params=["small.yaml", "tiny_pool.yaml"])
@@ -22,7 +23,7 @@ def comparison(request):
     return compare(load_workload_file(WORKLOADS / request.param))
 
 
-def test_elastic_stays_within_three_percent_of_the_best_baseline(comparison) -> None:
+def test_elastic_stays_within_two_percent_of_the_best_baseline(comparison) -> None:
     assert comparison.ratios()["vs_best_baseline"] >= WITHIN, comparison.to_json()
 
 
@@ -38,3 +39,19 @@ def test_every_row_trains_the_same_tokens_without_a_cut_off(comparison) -> None:
     out = comparison.to_json()
     tokens = {out[name]["tokens_trained_per_step"] for name in comparison.results}
     assert len(tokens) == 1
+
+
+def test_elastic_runs_with_the_best_async_split_of_the_same_sweep_as_its_home(comparison) -> None:
+    n = comparison.best_async_units
+    assert comparison.results["async"].policy == f"async(rollout={n})"
+    again = simulate(comparison.workload, elastic_policy(comparison.workload, n))
+    assert again.step_done_s == comparison.results["elastic"].step_done_s
+
+
+def test_no_row_beats_the_lower_bound_so_the_ceiling_caps_every_makespan_speedup(comparison) -> None:
+    ceilings = comparison.ceilings()
+    r = comparison.results
+    elastic_mk = r["elastic"].step_done_s[-1]
+    for key, row in (("vs_colocate", "colocate"), ("vs_async", "async"), ("vs_paper_async", "paper_async")):
+        assert ceilings[key] >= 1.0
+        assert r[row].step_done_s[-1] / elastic_mk <= ceilings[key]

@@ -8,6 +8,7 @@ from services.scheduler.policies import (
     DeviceState,
     ElasticPolicy,
     PoolSnapshot,
+    Reassignment,
     Role,
     may_start_batch,
 )
@@ -109,8 +110,26 @@ def test_elastic_does_not_lend_when_a_training_step_is_shorter_than_the_role_cha
     roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
     short = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=30.0)
     long = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=600.0)
-    assert ElasticPolicy(role_change_s=15.0).plan(short) == []
-    assert len(ElasticPolicy(role_change_s=15.0).plan(long)) == 2
+    # Home 3 + 1: the trainer holds its home share, so lending more is optional and must pay.
+    assert ElasticPolicy(role_change_s=15.0, home_rollout_devices=3).plan(short) == []
+    assert len(ElasticPolicy(role_change_s=15.0, home_rollout_devices=3).plan(long)) == 2
+
+
+def test_elastic_returns_borrowed_devices_to_a_trainer_below_its_home_share_before_any_step() -> None:
+    # Home 2 + 2; the trainer got work while rollout still holds 3 (it spread over the idle trainer).
+    # Its cadence is unknown (no step yet) or short, so no optional move pays; the one borrowed device
+    # still goes back, and only that one (rollout keeps 2 although 1 live execution needs just 1).
+    for step_s in (0.0, 30.0):
+        roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
+        moves = ElasticPolicy(role_change_s=15.0).plan(
+            _snap(roles, live=1, backlog=1, busy=True, step_s=step_s)
+        )
+        assert moves == [Reassignment("d02", Role.TRAIN, moves[0].reason)]
+    # At its home share already: nothing moves on a short cadence.
+    home = [Role.ROLLOUT] * 2 + [Role.TRAIN] * 2
+    assert (
+        ElasticPolicy(role_change_s=15.0).plan(_snap(home, live=1, backlog=1, busy=True, step_s=30.0)) == []
+    )
 
 
 def test_elastic_gives_a_stranded_trainer_a_device_whatever_the_cost() -> None:

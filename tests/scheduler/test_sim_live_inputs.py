@@ -24,8 +24,13 @@ SMALL = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "small.
 OTHER = {Role.ROLLOUT: Role.TRAIN, Role.TRAIN: Role.ROLLOUT}
 
 
-def _live_service(devices, rollout_load, trainer_load, bound: int) -> SchedulerService:
-    svc = SchedulerService(CommonConfig(), SchedulerConfig(policy="elastic", staleness_bound=bound))
+def _live_service(
+    devices, rollout_load, trainer_load, bound: int, home: int, role_change_s: float
+) -> SchedulerService:
+    cfg = SchedulerConfig(
+        policy="elastic", staleness_bound=bound, async_rollout_devices=home, role_change_s=role_change_s
+    )
+    svc = SchedulerService(CommonConfig(), cfg)
     book = LeaseBook(MemoryLeaseStore(), drain_timeout_s=60, grant_timeout_s=60, worker_timeout_s=60)
     # Each device registers with the worker of the role it serves; a moving one with the other role's
     # worker, then the scheduler reassigns it (DRAINING toward its target, as the live handoff does).
@@ -41,6 +46,7 @@ def _live_service(devices, rollout_load, trainer_load, bound: int) -> SchedulerS
             holder = "rollout-0" if d.role == Role.ROLLOUT else "trainer-0"
             book.reassign(d.device_id, d.role, holder, 1.0, policy="elastic", reason="test")
     svc.book = book
+    svc.policy_name = "elastic"  # what start() reads back from the store
     svc.loads = {"rollout-0": rollout_load, "trainer-0": trainer_load}
     return svc
 
@@ -48,24 +54,31 @@ def _live_service(devices, rollout_load, trainer_load, bound: int) -> SchedulerS
 @pytest.fixture(scope="module")
 def recorded():
     w = load_workload_file(SMALL)
-    r = simulate(w, elastic_policy(w), record_snapshots=True)
+    home = 2  # the operator's split (in units: one sim device is one engine), as `gyre sim` gives it
+    policy = elastic_policy(w, home)
+    r = simulate(w, policy, record_snapshots=True)
     assert len(r.snapshots) > 50
-    return w, r.snapshots
+    return w, policy, r.snapshots
 
 
 def test_live_snapshot_of_the_same_pool_and_loads_equals_the_simulated_one(recorded) -> None:
-    w, snapshots = recorded
+    w, sim_policy, snapshots = recorded
     checked = 0
     for sim_snap, (devices, rollout_load, trainer_load) in snapshots[:: max(1, len(snapshots) // 60)]:
         if any(d.role == Role.IDLE for d in devices):
             continue  # t = 0, before the first plan
-        live = _live_service(devices, rollout_load, trainer_load, w.staleness_bound).snapshot()
+        svc = _live_service(
+            devices, rollout_load, trainer_load, w.staleness_bound, 2, w.costs.elastic_role_change_s
+        )
+        live = svc.snapshot()
         assert live is not None
         assert sorted(live.devices, key=lambda d: d.device_id) == sorted(
             sim_snap.devices, key=lambda d: d.device_id
         )
         assert live.__dict__ | {"devices": None} == sim_snap.__dict__ | {"devices": None}
-        policy = ElasticPolicy(staleness_bound=w.staleness_bound, role_change_s=w.costs.elastic_role_change_s)
-        assert policy.plan(live) == policy.plan(sim_snap)
+        live_policy = svc.policy(len(devices))  # built from the live config, as the plan loop does
+        assert isinstance(live_policy, ElasticPolicy)
+        assert vars(live_policy) == vars(sim_policy)
+        assert live_policy.plan(live) == sim_policy.plan(sim_snap)
         checked += 1
     assert checked > 20

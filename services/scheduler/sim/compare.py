@@ -4,7 +4,10 @@ Rows (every one runs the same sampled executions of a seed):
 - `colocate`: the whole pool alternates, with the workload's trainer and scoring semantics;
 - `async`: the best fixed split of a sweep over every split (refined grid), with the same streaming
   trainer and partial-progress cut-off as Elastic: the strongest static baseline;
-- `elastic`: ElasticPolicy, configured the same on every workload (no sweep, no per-workload input);
+- `elastic`: ElasticPolicy with the same code and constants on every workload; its home split is the
+  best Async split of the same sweep, as an operator who ran `gyre sim` would configure it
+  (`scheduler.num_rollout_devices`, the live policy's only split input). Elastic starts from the
+  best static plan and moves devices away from it only when a side has devices it does not use;
 - `paper_colocate`, `paper_async`: the baselines as the QwenGyre paper describes them (Async = half
   the pool rolling out, batch-synchronous trainer, no partial-progress scoring), so Gyre's figures
   can be read against the published 1.85x / 1.78x.
@@ -12,7 +15,9 @@ Rows (every one runs the same sampled executions of a seed):
 Work: every row trains every batch; with partial progress a row may train fewer tokens of a cut
 execution, so each row reports `tokens_trained_per_step` and `generated_trained_share`.
 `makespan_lower_bound_s` (sim/bound.py) is the earliest end of the last step any policy can reach
-at the workload's bound; each row's `makespan_over_lower_bound` says how far above it the row ends.
+at the workload's bound; each row's `makespan_over_lower_bound` says how far above it the row ends,
+which is also the largest makespan speedup any policy (Elastic included) could have over that row
+(`makespan_speedup_ceiling`).
 Ratios are time-per-step ratios (higher = Elastic faster), one per seed; `--seeds N` reports each as
 a mean with a 95% bootstrap interval (scipy.stats.bootstrap, BCa, 2,000 resamples, seeded).
 """
@@ -66,9 +71,14 @@ def simulate(w: Workload, policy: Policy, record_snapshots: bool = False) -> Sim
     return Simulation(policy, w, execs, capacity, record_snapshots=record_snapshots).run()
 
 
-def elastic_policy(w: Workload) -> ElasticPolicy:
-    """Elastic as it runs live: the staleness bound and the role-change cost of the deployment."""
-    return ElasticPolicy(staleness_bound=w.staleness_bound, role_change_s=w.costs.elastic_role_change_s)
+def elastic_policy(w: Workload, home_units: int | None = None) -> ElasticPolicy:
+    """Elastic as it runs live: the staleness bound and the role-change cost of the deployment, and
+    `home_units` rollout units as its home split (the operator's `num_rollout_devices`; None: half)."""
+    return ElasticPolicy(
+        staleness_bound=w.staleness_bound,
+        role_change_s=w.costs.elastic_role_change_s,
+        home_rollout_devices=home_units,
+    )
 
 
 def sweep_async(w: Workload, coarse_points: int = 8) -> tuple[SimResult, int, dict[int, float]]:
@@ -133,6 +143,18 @@ class Comparison:
             "vs_paper_async": self.results["paper_async"].time_per_step_s / e,
         }
 
+    def ceilings(self) -> dict[str, float]:
+        """The largest makespan speedup any policy could have over each row: the row's makespan over
+        the lower bound (`makespan_lower_bound_s`). Same keys as `ratios`."""
+        mk = {name: r.step_done_s[-1] / self.makespan_bound_s for name, r in self.results.items()}
+        return {
+            "vs_colocate": mk["colocate"],
+            "vs_async": mk["async"],
+            "vs_best_baseline": min(mk["async"], mk["colocate"]),
+            "vs_paper_colocate": mk["paper_colocate"],
+            "vs_paper_async": mk["paper_async"],
+        }
+
     def to_json(self) -> dict[str, Any]:
         w = self.workload
         out: dict[str, Any] = {"workload": w.name, "seed": w.seed}
@@ -166,7 +188,7 @@ def compare(w: Workload) -> Comparison:
     results = {
         "colocate": simulate(w, ColocatePolicy()),
         "async": a,
-        "elastic": simulate(w, elastic_policy(w)),
+        "elastic": simulate(w, elastic_policy(w, n)),
         "paper_colocate": simulate(paper, ColocatePolicy()),
         "paper_async": simulate(paper, AsyncPolicy(half, staleness_bound=w.staleness_bound)),
     }
@@ -238,9 +260,13 @@ class SeedComparison:
         out["colocate"]["rollout_share"] = round(float(np.mean([r.rollout_share for r in colocate])), 4)
         out["colocate"]["tail_share"] = round(float(np.mean([r.tail_share for r in colocate])), 4)
         out["best_async_rollout_devices"] = [c.best_async_units * w.devices_per_unit for c in self.per_seed]
-        keys = list(self.per_seed[0].ratios())
+        c0 = self.per_seed[0]
+        keys = list(c0.ratios())
         out["speedup"] = {k: interval([c.ratios()[k] for c in self.per_seed]) for k in keys}
         out["speedup_per_seed"] = {k: [round(c.ratios()[k], 3) for c in self.per_seed] for k in keys}
+        out["makespan_speedup_ceiling"] = {
+            k: interval([c.ceilings()[k] for c in self.per_seed]) for k in c0.ceilings()
+        }
         return out
 
 
@@ -264,7 +290,9 @@ def predict(
     names one (relative to the run YAML); `policy` None means the run's `scheduler.policy` (else
     elastic). For `async` the split is `num_rollout_devices` if given (whole units), else the best
     split of a sweep. `measured` (the run's summary) is accepted for callers that pass it; the
-    prediction does not use it, so predicted and measured stay independent."""
+    prediction does not use it, so predicted and measured stay independent. For `elastic` the home
+    split is `num_rollout_devices` (the run's split, as the live policy gets it) if given, else the
+    best split of a sweep (as in `compare`)."""
     del measured
     if not isinstance(workload, Workload):
         workload, policy = _workload_from_file(Path(workload), policy)
@@ -273,7 +301,11 @@ def predict(
     if policy == "colocate":
         r = simulate(w, ColocatePolicy())
     elif policy == "elastic":
-        r = simulate(w, elastic_policy(w))
+        if num_rollout_devices is None:
+            home = sweep_async(w)[1]  # the best Async split, as `compare` gives Elastic
+        else:
+            home = max(1, min(w.num_units - 1, num_rollout_devices // w.devices_per_unit))
+        r = simulate(w, elastic_policy(w, home))
     elif policy == "async":
         if num_rollout_devices is None:
             r, n, _ = sweep_async(w)
