@@ -170,7 +170,10 @@ class Batcher:
         current = int(req.current_version) if req.current_version else None
         deadline = time.monotonic() + max(0.0, req.wait_s)
         while True:
-            chunks, packed = await self._pull_once(max_tokens, current, req.consumer)
+            # Before the deadline only a batch with enough scored groups (min_batch_fill of the budget,
+            # or one waited batch_max_wait_s) is packed, as the request's wait_s promises; at it, any.
+            partial = time.monotonic() >= deadline
+            chunks, packed = await self._pull_once(max_tokens, current, req.consumer, partial)
             if packed is not None:
                 await self._announce(packed)
             if chunks:
@@ -199,7 +202,7 @@ class Batcher:
             self.counters["batch_events_published"] += 1
 
     async def _pull_once(
-        self, max_tokens: int, current: int | None, consumer: str
+        self, max_tokens: int, current: int | None, consumer: str, partial: bool = True
     ) -> tuple[list[trajectory_pb2.BatchChunk], TreeBatch | None]:
         """Chunks of a claimed batch and, when it was packed now, the batch (to announce)."""
         async with self.commits.lock:
@@ -220,8 +223,23 @@ class Batcher:
                     continue
                 if await asyncio.to_thread(self.store.mark_delivered, b.batch_id, consumer):
                     return decode_chunks(b.chunks), None
+            if not partial and not self._enough(max_tokens, current):
+                return [], None
             packed = await self._build(max_tokens, current, "delivered", consumer)
             return (packed.chunks, packed) if packed is not None else ([], None)
+
+    def _enough(self, max_tokens: int, current: int | None) -> bool:
+        """Scored groups fill min_batch_fill of `max_tokens`, or the oldest waited batch_max_wait_s."""
+        fresh, _ = self._scored_groups(current)
+        if not fresh:
+            return False
+        groups = self.state.groups
+        tokens = sum(self._tree_tokens(groups[g.group_id], g) for g in fresh)
+        oldest = min(groups[g.group_id].scored_unix_s or 0 for g in fresh)
+        return (
+            tokens >= self.cfg.min_batch_fill * max_tokens
+            or time.time() - oldest >= self.cfg.batch_max_wait_s
+        )
 
     async def ack(self, req: trajectory_pb2.AckBatchRequest) -> None:
         """Record that the trainer trained the batch (at ``trained_at_version``); NotFound if unknown."""

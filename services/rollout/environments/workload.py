@@ -17,7 +17,7 @@ the real observation is an empty user message and the real completion is `tokens
 / `time_scale` (asyncio sleep).
 
 Every execution has the same number of real tokens (`live_tokens_per_execution`): the opening
-message is padded (with a letter of its own per group member, so members share no padding), so the
+message is padded (with a letter per group and member, so executions of a task share no padding), so the
 trajectory service's token budget of a batch is a number of groups, as a simulated step is
 (assuming each call generates exactly `tokens_per_call` tokens without the end token).
 
@@ -93,12 +93,12 @@ class WorkloadEnv(Environment):
     async def reset(self) -> list[dict[str, Any]]:
         task = asyncio.current_task()
         self.execution_id = task.get_name() if task is not None else ""
-        self.plan, member = self.family.plan_for(self.task_index, self.execution_id)
+        self.plan, ordinal = self.family.plan_for(self.task_index, self.execution_id)
         self.turn, self.context, self.hits = 0, 0.0, 0
         self._announce()
         f = self.family
         pad = f.tokens_per_execution - _natural_tokens(self.num_turns, f.tokens_per_call)
-        return [{"role": "user", "content": chr(ord("a") + member % 26) * max(1, pad)}]
+        return [{"role": "user", "content": chr(ord("a") + ordinal % 26) * max(1, pad)}]
 
     @property
     def progress(self) -> Progress:
@@ -153,8 +153,8 @@ class WorkloadFamily(TaskFamily):
         return [f"wl-{i:05d}" for i in range(num_tasks)]
 
     def plan_for(self, task_index: int, execution_id: str) -> tuple[ExecutionPlan, int]:
-        """The plan of an execution and its member index: by its id (group n, member k) when it has
-        the rollout's form, else the next one in start order."""
+        """The plan of an execution and its ordinal within the task (group n, member k: n x group_size
+        + k), by its id when it has the rollout's form, else in start order."""
         w = self.workload
         m = _EXECUTION_RE.match(execution_id)
         if m:
@@ -163,7 +163,8 @@ class WorkloadFamily(TaskFamily):
             n = next(self._order)
             step, member = n // w.group_size, n % w.group_size
         batch = self.plans[step % w.num_steps]
-        return batch[(task_index % w.tasks_per_step) * w.group_size + member % w.group_size], member
+        index = (task_index % w.tasks_per_step) * w.group_size + member % w.group_size
+        return batch[index], step * w.group_size + member
 
     def make(self, task_id: str) -> WorkloadEnv:
         m = _TASK_RE.match(task_id)
