@@ -62,6 +62,9 @@ def measure_run(run_dir: Path, warmup_steps: int | None = None) -> dict[str, Any
             v = int((r["event"].get("weights") or {}).get("version") or 0)
             published[v] = min(published.get(v, math.inf), event_time(r))
     n = max(published, default=0)
+    job_steps = (raw.get("job") or {}).get("num_steps")
+    if job_steps:  # the job's steps; versions trained while it stopped are not in the window
+        n = min(n, int(job_steps))
     warmup = _warmup_steps(raw, run_dir, n) if warmup_steps is None else warmup_steps
     t_start = min(event_time(r) for r in records)
     t0 = published.get(warmup, t_start) if warmup > 0 else t_start

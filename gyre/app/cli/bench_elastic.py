@@ -20,8 +20,10 @@ The live system and the simulator are configured to mean the same thing: engine 
 the simulator's `engine_capacity`, rollout admission = `tasks_per_step` groups per weight version
 within the staleness bound (0 for colocate), the plan loop period and the role-change time the
 elastic policy weighs are the simulator's (1 modelled second, `elastic_role_change_s`) divided by
-time_scale. Where they cannot (the trajectory service forms batches by tokens, not by groups), the
-batch budget is the live tokens of one step's groups, computed from the same plans.
+time_scale. The trajectory service forms batches by tokens, not by groups; the workload environment
+gives every execution the same real tokens, so a budget of `tasks_per_step` groups' tokens makes a
+trainer step train `tasks_per_step` groups, as a simulated step does (the first groups scored, where
+the simulator trains step k's own groups).
 """
 
 from __future__ import annotations
@@ -40,18 +42,15 @@ from gyre.errors import ConfigError
 
 POLICIES = ("colocate", "async", "elastic")
 DEFAULT_WORKLOAD = Path("examples/workloads/paced_longtail.yaml")
-MAX_TOKENS = 2  # real tokens per call: the modelled ones come from the workload file
+MAX_TOKENS = 1  # real tokens per call (the action is the first token): the modelled ones come from the workload file
 
 
-def live_tokens_per_step(w: Any) -> float:
-    """Real tokens of one step's groups under the workload environment: per turn one observation
-    message, the assistant marker, MAX_TOKENS generated tokens and an end token (from the plans)."""
-    from gyre import tokenizer
-    from gyre.workload import sample_executions
+def live_tokens_per_group(w: Any) -> int:
+    """Real tree tokens of one group under the workload environment: every execution has the same
+    tokens; the members share the first two (BOS, the opening's role token)."""
+    from services.rollout.environments.workload import live_tokens_per_execution
 
-    per_turn = len(tokenizer.message_ids({"role": "user", "content": "t00"})) + MAX_TOKENS + 2
-    steps = sample_executions(w)
-    return sum(len(e.gen) * per_turn for step in steps for e in step) / len(steps)
+    return w.group_size * live_tokens_per_execution(w, MAX_TOKENS) - 2 * (w.group_size - 1)
 
 
 def run_config(
@@ -70,8 +69,11 @@ def run_config(
     plans = [e for step in sample_executions(w) for e in step]
     slots = w.cost_model().engine_capacity(sum(e.final_context for e in plans) / len(plans))
     bound = 0 if policy == "colocate" else w.staleness_bound
-    step_tokens = live_tokens_per_step(w)
-    batch_tokens = max(256, math.ceil(1.15 * step_tokens))
+    # A batch (one trainer step) is `tasks_per_step` groups, as a simulated step: the budget holds 4.5
+    # groups' worth and a batch is built at 3.9 (so at the 4th group scored, never at the 3rd).
+    group_tokens = live_tokens_per_group(w)
+    batch_tokens = math.ceil((w.tasks_per_step + 0.5) * group_tokens)
+    fill = (w.tasks_per_step - 0.1) * group_tokens / batch_tokens
     scheduler: dict[str, Any] = {
         "policy": policy,
         "staleness_bound": bound,
@@ -109,8 +111,9 @@ def run_config(
         "trajectory": {
             "group_size": w.group_size,
             "max_batch_tokens": batch_tokens,
-            "min_batch_fill": 0.85,
-            "batch_max_wait_s": 1e4 / time_scale,
+            "min_batch_fill": round(fill, 6),
+            "batch_max_wait_s": 3600.0,
+            "ready_poll_s": 0.1,
             "max_staleness": w.staleness_bound + 2,
             "train_unfinished_after_s": (
                 None
@@ -138,9 +141,9 @@ def run_config(
         },
         "trainer": {
             "batch_max_tokens": batch_tokens,
-            "micro_batch_tokens": max(64, batch_tokens // 6),
+            "micro_batch_tokens": 2 * group_tokens,
             "max_staleness": w.staleness_bound + 2,
-            "pull_wait_s": 1.0,
+            "pull_wait_s": 600.0,
             "report_load_interval_s": 0.5,
             "checkpoint_every": 1000,
         },
