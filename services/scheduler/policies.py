@@ -68,6 +68,11 @@ class PoolSnapshot:
     waiting_on_environment: int = 0
     # Seconds the trainer's last optimizer step took (0 = none yet).
     trainer_step_s: float = 0.0
+    # Device-seconds of training the trainer can do now in its current step (0 = none runs, or it has
+    # trained everything it has and waits for scored groups).
+    trainer_remaining_work_device_s: float = 0.0
+    # Devices training now (the trainer's data-parallel ranks); 0 = not reported.
+    trainer_dp_size: int = 0
     # Newest weight version published by the trainer.
     latest_version: int = 0
     # Oldest weight version any live execution started under (equals latest when none).
@@ -83,6 +88,12 @@ class PoolSnapshot:
     def rollout_demand(self) -> int:
         """Executions that need an engine: every live one (queued ones are live too)."""
         return self.live_executions
+
+    @property
+    def trainer_time_left_s(self) -> float:
+        """Seconds the trainer needs, at its current size, for the work it can do now (0: none)."""
+        devices = self.trainer_dp_size or self.count(Role.TRAIN)
+        return self.trainer_remaining_work_device_s / max(1, devices)
 
     @property
     def trainer_wants_devices(self) -> bool:
@@ -199,8 +210,12 @@ class ElasticPolicy(Policy):
       fills the lowest IDs first, so those empty first). It never packs executions to lend more.
     - A move must pay for itself: optional moves (spreading, lending) happen only when the trainer's
       step cadence (`trainer_step_s`) exceeds `min_step_over_switch` role changes (`role_change_s`);
-      on shorter steps Elastic holds its split like Async. A trainer with work and no device always
-      gets one.
+      on shorter steps Elastic holds its split like Async. Lending in the tail also needs trainer
+      work that extra devices can speed up now: the work it can train at once
+      (`trainer_remaining_work_device_s` over its data-parallel size) must outlast as many role
+      changes; a trainer waiting for scored groups keeps its devices and rollout keeps its engines
+      (lending them would pack the slowest executions together for no gain). A trainer with work
+      and no device always gets one.
     - Never strand the trainer: a trainer with work that holds fewer devices than its home share
       (pool - `home_rollout_devices`) gets its borrowed devices back (down to what live executions
       need) whatever the cadence, including before the first step, when the cadence is still
@@ -260,11 +275,18 @@ class ElasticPolicy(Policy):
 
     def lendable(self, snapshot: PoolSnapshot, spare: int) -> int:
         """How many of `spare` rollout devices (beyond the target) go to a trainer with work now:
-        all of them when moves pay for themselves or the trainer holds no device; otherwise only
-        those the trainer lent out (back up to its home share), since a stranded trainer costs more
-        than two role changes; else none."""
+        - all of them when the trainer holds no device;
+        - all of them when a lend pays: the step cadence is long against role changes and the work
+          the trainer can do now lasts, at its current size, longer than `min_step_over_switch`
+          role changes (a trainer that has trained all it has and waits for scored groups gains
+          nothing from more devices, while the engines they leave would pack live executions);
+        - else only those the trainer lent out, back up to its home share (a stranded trainer
+          costs more than two role changes)."""
         train = snapshot.count(Role.TRAIN)
-        if train < max(1, self.min_train_devices) or self._moves_pay(snapshot):
+        if train < max(1, self.min_train_devices):
+            return spare
+        pays = snapshot.trainer_time_left_s > self.min_step_over_switch * self.role_change_s
+        if self._moves_pay(snapshot) and pays:
             return spare
         return max(0, min(spare, self.home_train_devices(snapshot) - train))
 

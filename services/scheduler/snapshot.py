@@ -38,6 +38,8 @@ def pool_snapshot(
         trainer_backlog=sum(x.trainer_backlog_batches for x in trainer),
         trainer_busy=any(x.trainer_backlog_batches > 0 for x in trainer),
         trainer_step_s=max((x.trainer_step_s for x in trainer), default=0.0),
+        trainer_remaining_work_device_s=sum(x.trainer_remaining_work_device_s for x in trainer),
+        trainer_dp_size=sum(x.trainer_dp_size for x in trainer),
         latest_version=max((x.weight_version for x in trainer), default=0),
         oldest_live_version=min((x.weight_version for x in rollout), default=0),
         staleness_bound=staleness_bound,

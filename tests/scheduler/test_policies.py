@@ -24,10 +24,20 @@ def _snap(
     busy: bool = False,
     moving: set[int] | None = None,
     step_s: float = 0.0,
+    work_device_s: float = 0.0,
 ) -> PoolSnapshot:
     moving = moving or set()
     devices = tuple(DeviceState(f"d{i:02d}", r, moving=i in moving) for i, r in enumerate(roles))
-    return PoolSnapshot(devices, live, queued, cap, backlog, busy, trainer_step_s=step_s)
+    return PoolSnapshot(
+        devices,
+        live,
+        queued,
+        cap,
+        backlog,
+        busy,
+        trainer_step_s=step_s,
+        trainer_remaining_work_device_s=work_device_s,
+    )
 
 
 def test_colocate_moves_whole_pool_to_training_when_batch_is_done() -> None:
@@ -58,10 +68,21 @@ def test_async_keeps_its_fixed_split() -> None:
 
 
 def test_elastic_lends_tail_devices_highest_ids_first_while_the_trainer_works() -> None:
-    snap = _snap([Role.ROLLOUT] * 4 + [Role.TRAIN] * 4, live=1, cap=4, backlog=1, busy=True, step_s=900.0)
+    # 4 training devices with 4 x 400 device-s of work: 400 s left, more than 20 role changes of 15 s.
+    roles = [Role.ROLLOUT] * 4 + [Role.TRAIN] * 4
+    snap = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=900.0, work_device_s=1600.0)
     moves = ElasticPolicy().plan(snap)
     assert sorted(m.device_id for m in moves) == ["d01", "d02", "d03"]
     assert all(m.to_role == Role.TRAIN for m in moves)
+
+
+def test_elastic_keeps_tail_engines_while_the_trainer_waits_for_scored_groups() -> None:
+    # Same tail, but the trainer has trained all it has (or has less left than the moves would take):
+    # more devices would not speed it up, and the engines they leave would pack live executions.
+    roles = [Role.ROLLOUT] * 4 + [Role.TRAIN] * 4
+    for work in (0.0, 4 * 20 * 15.0):
+        snap = _snap(roles, live=1, cap=4, backlog=2, busy=True, step_s=900.0, work_device_s=work)
+        assert ElasticPolicy().plan(snap) == []
 
 
 def test_elastic_never_plans_fewer_slots_than_live_executions() -> None:
@@ -108,8 +129,8 @@ def test_elastic_hosts_every_queued_execution_before_the_home_split() -> None:
 
 def test_elastic_does_not_lend_when_a_training_step_is_shorter_than_the_role_changes() -> None:
     roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
-    short = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=30.0)
-    long = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=600.0)
+    short = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=30.0, work_device_s=1e4)
+    long = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=600.0, work_device_s=1e4)
     # Home 3 + 1: the trainer holds its home share, so lending more is optional and must pay.
     assert ElasticPolicy(role_change_s=15.0, home_rollout_devices=3).plan(short) == []
     assert len(ElasticPolicy(role_change_s=15.0, home_rollout_devices=3).plan(long)) == 2

@@ -82,3 +82,15 @@ def test_live_snapshot_of_the_same_pool_and_loads_equals_the_simulated_one(recor
         assert live_policy.plan(live) == sim_policy.plan(sim_snap)
         checked += 1
     assert checked > 20
+
+
+def test_the_simulated_trainer_reports_the_work_it_can_do_now_as_the_live_one(recorded) -> None:
+    """`trainer_remaining_work_device_s` (proto WorkerLoad): positive while the trainer has scored work to
+    train, 0 while a step waits for scored groups; the data-parallel size is the training devices."""
+    w, _, snapshots = recorded
+    working = [s for s, _ in snapshots if s.trainer_remaining_work_device_s > 0]
+    waiting = [s for s, _ in snapshots if s.trainer_backlog > 0 and s.trainer_remaining_work_device_s == 0]
+    assert working and waiting
+    for s, (_, _, trainer_load) in snapshots:
+        assert trainer_load.trainer_dp_size == s.trainer_dp_size
+        assert s.trainer_dp_size % w.devices_per_unit == 0

@@ -647,6 +647,9 @@ class Simulation:
             trainer_backlog_batches=self._trainer_backlog(),
             trainer_step_s=self.last_step_s,
             weight_version=self.version,
+            trainer_step_in_progress=self.step_started is not None,
+            trainer_remaining_work_device_s=self._trainable_device_s(),
+            trainer_dp_size=len(self._train_units()) * self.w.devices_per_unit,
         )
         return rollout, trainer
 
@@ -677,6 +680,16 @@ class Simulation:
                 waiting += (self.groups_total[j] - self.groups_left[j]) * avail / self.scored_flops[j]
         per_batch = max(1, self.groups_total[k] if k < len(self.batches) else 1)
         return math.ceil(waiting / per_batch - 1e-9) + int(self.step_started is not None)
+
+    def _trainable_device_s(self) -> float:
+        """What the live trainer reports as `trainer_remaining_work_device_s`: device-seconds of the
+        current step's work it can train now (the running round and the scored groups not yet in
+        one); 0 when it has trained all it has and waits for scored groups."""
+        k = len(self.step_done)
+        if k >= len(self.batches):
+            return 0.0
+        flops = max(0.0, self._available(k)) + (self.round_work if self.round_units else 0.0)
+        return flops / self.cost.train_flops_per_s(1)
 
     # --- training -------------------------------------------------------------------------------------------
     def _available(self, k: int) -> float:
