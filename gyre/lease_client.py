@@ -155,9 +155,18 @@ class LeaseClient:
             await self.apply(lease)
 
     async def on_events(self, events: list[events_pb2.LeaseEvent]) -> None:
-        """Bus handler for gyre.leases.<run>.*: never raises for a lease it cannot act on."""
+        """Bus handler for gyre.leases.<run>.*: never raises for a lease it cannot act on. Each
+        device's events are applied in order; different devices concurrently (a whole-pool switch
+        drains every engine at once, not one after the other)."""
+        by_device: dict[str, list[common_pb2.Lease]] = {}
         for ev in events:
-            await self.apply(ev.lease)
+            by_device.setdefault(ev.lease.device_id, []).append(ev.lease)
+
+        async def in_order(leases: list[common_pb2.Lease]) -> None:
+            for lease in leases:
+                await self.apply(lease)
+
+        await asyncio.gather(*(in_order(leases) for leases in by_device.values()))
 
     async def apply(self, lease: common_pb2.Lease) -> LeaseAction:
         """Act on one lease (from an event or a reply); returns what was done."""

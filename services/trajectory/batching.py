@@ -78,12 +78,7 @@ class Batcher:
     ) -> TreeBatch | None:
         """Pack scored groups into a batch and persist it (lock held by caller)."""
         groups = self.state.groups
-        fresh, stale = self._scored_groups(current_version)
-        if stale:
-            await self.commits.commit(self.store.mark_groups, stale, "dropped_stale")
-            for gid in stale:
-                groups[gid].state = "dropped_stale"
-            self.counters["groups_dropped_stale"] += len(stale)
+        fresh = await self._drop_stale(current_version)
         if not fresh:
             return None
         chosen = select_groups(self.state.trees, fresh, max_tokens)
@@ -170,10 +165,7 @@ class Batcher:
         current = int(req.current_version) if req.current_version else None
         deadline = time.monotonic() + max(0.0, req.wait_s)
         while True:
-            # Before the deadline only a batch with enough scored groups (min_batch_fill of the budget,
-            # or one waited batch_max_wait_s) is packed, as the request's wait_s promises; at it, any.
-            partial = time.monotonic() >= deadline
-            chunks, packed = await self._pull_once(max_tokens, current, req.consumer, partial)
+            chunks, packed = await self._pull_once(max_tokens, current, req.consumer)
             if packed is not None:
                 await self._announce(packed)
             if chunks:
@@ -202,9 +194,12 @@ class Batcher:
             self.counters["batch_events_published"] += 1
 
     async def _pull_once(
-        self, max_tokens: int, current: int | None, consumer: str, partial: bool = True
+        self, max_tokens: int, current: int | None, consumer: str
     ) -> tuple[list[trajectory_pb2.BatchChunk], TreeBatch | None]:
-        """Chunks of a claimed batch and, when it was packed now, the batch (to announce)."""
+        """Chunks of a claimed batch and, when it was packed now, the batch (to announce). A batch is
+        packed at pull time only from enough scored groups (`_enough`), as the poll loop builds one:
+        the trajectory's min_batch_fill and batch_max_wait_s shape every step, and wait_s is only
+        how long the request may wait for such a batch."""
         async with self.commits.lock:
             while True:
                 b = await asyncio.to_thread(self.store.next_ready_batch)
@@ -223,10 +218,21 @@ class Batcher:
                     continue
                 if await asyncio.to_thread(self.store.mark_delivered, b.batch_id, consumer):
                     return decode_chunks(b.chunks), None
-            if not partial and not self._enough(max_tokens, current):
+            if not self._enough(max_tokens, current):
+                await self._drop_stale(current)
                 return [], None
             packed = await self._build(max_tokens, current, "delivered", consumer)
             return (packed.chunks, packed) if packed is not None else ([], None)
+
+    async def _drop_stale(self, current_version: int | None) -> list[ScoredGroup]:
+        """Mark scored groups too old for `current_version` dropped; return the fresh ones (lock held)."""
+        fresh, stale = self._scored_groups(current_version)
+        if stale:
+            await self.commits.commit(self.store.mark_groups, stale, "dropped_stale")
+            for gid in stale:
+                self.state.groups[gid].state = "dropped_stale"
+            self.counters["groups_dropped_stale"] += len(stale)
+        return fresh
 
     def _enough(self, max_tokens: int, current: int | None) -> bool:
         """Scored groups fill min_batch_fill of `max_tokens`, or the oldest waited batch_max_wait_s."""

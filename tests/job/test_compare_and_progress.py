@@ -33,7 +33,10 @@ def test_compare_prints_each_run_side_by_side(
     console = Console(record=True, width=160)
     console.print(compare.compare_table([rising, flat]))
     text = console.export_text()
-    assert "time per step" in text and "device idle fraction" in text and "reward_last20" in text
+    assert "time per step" in text and "reward_last20" in text
+    # busy-based idle (the simulator's) and the lease-based share are two labelled rows, never one
+    assert "idle fraction, busy-based (as sim)" in text and "no-lease share (not sim's idle)" in text
+    assert "sim: idle fraction (vs busy-based)" in text
 
 
 def test_compare_rejects_a_directory_without_a_run(tmp_path: Path) -> None:

@@ -495,8 +495,10 @@ async def test_a_group_with_nothing_to_train_is_skipped_and_pulled_batches_are_a
         execs = generate(TINY)
         await publish_group(run, run_id, execs)
         await wait_for(lambda: _stat_at_least(run, "groups_scored", 3))
-        # below min_batch_fill, a pull waits out its wait_s and then packs what is scored
-        chunks = await pull(run, wait_s=1.0)
+        # below min_batch_fill (of the service's budget) a pull packs nothing and the poll loop builds
+        # nothing; a pull whose own budget the scored groups fill packs one at pull time
+        assert await pull(run, wait_s=0.3) == []
+        chunks = await pull(run, wait_s=1.0, max_tokens=1)
         assert chunks and chunks[-1].last
         await wait_for(lambda: _len_at_least(ready, 1))
         (ev,) = ready

@@ -1,11 +1,18 @@
 """`gyre compare RUN_DIR...`: runs side by side, with the simulator's prediction for the same setup.
 
 For each run directory it reads `summary.json` (rebuilding the report from `events.jsonl` when the
-summary is missing) and prints one column per run: policy, trainer steps, time per step, device
-idle fraction, reward_first20 / reward_last20 and the learning verdict. Below, the cluster
-simulator (`services.scheduler.sim`, imported only here and only when present) predicts time per
-step and device idle fraction for the same configuration (the run's `config.yaml`) under each
-run's policy, next to the measured values, with the predicted/measured ratio.
+summary is missing) and the device measurements of gyre/app/analytics/elastic.py, and prints one
+column per run: policy, trainer steps, time per step (whole run, and over the simulator's window
+after its warm-up steps), reassignments, live migrations, executions interrupted, TRAIN handoffs,
+device-seconds per role by lease and by work, the idle fraction as the simulator defines it
+(busy-based: paced runs log busy time) and, labelled as such, the share of device-time without a
+lease (what the report calls idle by lease: a different quantity, never compared with the
+simulator's), reward_first20 / reward_last20 and the learning verdict. Below, the cluster simulator
+(`services.scheduler.sim`, imported only here and only when present) predicts time per step and
+busy-based idle fraction for the same configuration (the run's `config.yaml`) under each run's
+policy, next to the measured values, with the predicted/measured ratio. A paced run
+(`devices.pacing`) is predicted from its workload file, in modelled seconds / time_scale, at the
+run's own async split.
 """
 
 from __future__ import annotations
@@ -164,20 +171,49 @@ def predict(run_dir: Path, summary: dict[str, Any]) -> tuple[dict[str, float] | 
 
         raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
         named = (raw.get("scheduler") or {}).get("sim_workload")
+        pacing = ((raw.get("devices") or {}).get("pacing")) or {}
         # a workload file named by the config wins; else one calibrated on the run itself
         workload: Any = run_dir / "config.yaml" if named else workload_for_run(run_dir, summary)
         rollout_devices = None
-        if policy == "async" and summary.get("duration_s"):
-            rollout_devices = round(
-                float(summary.get("rollout_device_s") or 0.0) / float(summary["duration_s"])
-            )
+        if policy == "async":
+            rollout_devices = (raw.get("scheduler") or {}).get("async_rollout_devices")
+            if rollout_devices is None and summary.get("duration_s"):
+                rollout_devices = round(
+                    float(summary.get("rollout_device_s") or 0.0) / float(summary["duration_s"])
+                )
+        if pacing.get("enabled") and pacing.get("workload_file"):
+            from gyre.workload import load_workload_file
+
+            workload = load_workload_file(pacing["workload_file"])
+            if rollout_devices:  # one live device = one scheduling unit of the workload
+                rollout_devices = int(rollout_devices) * workload.devices_per_unit
         result = sim.predict(workload, policy, num_rollout_devices=rollout_devices or None, measured=summary)
+        if pacing.get("enabled"):  # modelled seconds -> wall seconds of the paced run
+            for key in ("time_per_step_s", "makespan_s"):
+                if key in result:
+                    result[key] = float(result[key]) / float(pacing.get("time_scale") or 1.0)
     except Exception as exc:  # a prediction failure must not hide the measured table
         return None, f"simulator failed: {exc!r}"
     out = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}
     if "device_utilization" in out:
         out["device_idle_fraction"] = 1.0 - out["device_utilization"]
     return out, ""
+
+
+def _measure(run_dir: Path) -> dict[str, Any]:
+    """The device measurements of a run (gyre/app/analytics/elastic.py); {} when it has no events."""
+    from gyre.app.analytics.elastic import measure_run
+
+    try:
+        return measure_run(run_dir)
+    except (ValueError, OSError):
+        return {}
+
+
+def _pair(m: dict[str, Any], role: str) -> str:
+    lease = (m.get("lease_device_s") or {}).get(role)
+    busy = m.get("busy_device_s")
+    return f"{_f(lease, '.0f')} / {_f(busy.get(role, 0.0), '.0f') if busy is not None else 'n/a'}"
 
 
 def compare_table(run_dirs: list[Path]) -> Table:
@@ -191,11 +227,19 @@ def compare_table(run_dirs: list[Path]) -> Table:
     def row(name: str, values: list[str]) -> None:
         table.add_row(name, *values)
 
+    measured = [_measure(d) for d in run_dirs]
     row("trainer steps", [str(s.get("num_steps")) for s in summaries])
     row("devices", [str(s.get("num_devices")) for s in summaries])
-    row("time per step (s)", [_f(s.get("time_per_step_s")) for s in summaries])
-    row("device idle fraction", [_f(s.get("device_idle_fraction"), ".3f") for s in summaries])
+    row("time per step (s), whole run", [_f(s.get("time_per_step_s")) for s in summaries])
+    row("s/step after warm-up (sim window)", [_f(m.get("s_per_step")) for m in measured])
+    row("idle fraction, busy-based (as sim)", [_f(m.get("idle_fraction_busy"), ".3f") for m in measured])
+    row("no-lease share (not sim's idle)", [_f(m.get("idle_fraction_lease"), ".3f") for m in measured])
+    for role in ("rollout", "train"):
+        row(f"device-s {role}: lease / busy", [_pair(m, role) for m in measured])
     row("reassignments", [str(s.get("num_reassignments")) for s in summaries])
+    row("live migrations", [str(m.get("live_migrations", "n/a")) for m in measured])
+    row("executions interrupted", [str(m.get("executions_interrupted", "n/a")) for m in measured])
+    row("TRAIN handoffs", [str(m.get("train_handoffs", "n/a")) for m in measured])
     row("tokens/s", [_f(s.get("tokens_per_s"), ".0f") for s in summaries])
     row("tree-token ratio", [_f(s.get("tree_token_ratio")) for s in summaries])
     row("max staleness", [str(s.get("max_batch_staleness")) for s in summaries])
@@ -204,16 +248,19 @@ def compare_table(run_dirs: list[Path]) -> Table:
     row("learned", ["yes" if s.get("learned") else "no" for s in summaries])
     preds = [predict(d, s) for d, s in zip(run_dirs, summaries, strict=True)]
     for key, label, fmt in (
-        ("time_per_step_s", "sim: time per step (s)", ".2f"),
-        ("device_idle_fraction", "sim: device idle fraction", ".3f"),
+        ("time_per_step_s", "sim: s/step (vs sim window)", ".2f"),
+        ("device_idle_fraction", "sim: idle fraction (vs busy-based)", ".3f"),
     ):
         cells = []
-        for (pred, _why), s in zip(preds, summaries, strict=True):
+        for (pred, _why), m, s in zip(preds, measured, summaries, strict=True):
             if pred is None or key not in pred:
                 cells.append("n/a")
                 continue
-            measured = s.get(key)
-            ratio = f" ({pred[key] / measured:.2f}x)" if measured else ""
+            if key == "time_per_step_s":
+                against = m.get("s_per_step") or s.get(key)
+            else:
+                against = m.get("idle_fraction_busy")  # never the lease-based share
+            ratio = f" ({pred[key] / against:.2f}x)" if against else ""
             cells.append(_f(pred[key], fmt) + ratio)
         row(label, cells)
     reasons = sorted({why for pred, why in preds if pred is None and why})
@@ -243,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         for d in args.run_dirs:
             s = load_summary(d)
             pred, why = predict(d, s)
-            out[str(d)] = {"measured": s, "predicted": pred, "prediction_note": why}
+            out[str(d)] = {"measured": s, "devices": _measure(d), "predicted": pred, "prediction_note": why}
         print(json.dumps(out, indent=2, default=str))
         return 0
     Console().print(compare_table(args.run_dirs))

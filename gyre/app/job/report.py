@@ -312,7 +312,8 @@ def render_markdown(
         "|---|---:|---:|",
         *[f"| {role} | {sec:.1f} | {sec / total_dev:.0%} |" for role, sec in a.device_time_s.items()],
         "",
-        f"Device idle fraction (idle + switching): **{_fmt(a.device_idle_fraction, 3)}**.",
+        f"Share of device-time without a lease or in a handoff (idle + switching, by lease; not the "
+        f"simulator's busy-based idle fraction, see `gyre compare`): **{_fmt(a.device_idle_fraction, 3)}**.",
         "",
         "Services restarted by the supervisor: "
         + (", ".join(f"{svc} {n}x" for svc, n in sorted(restarts.items())) or "none")
