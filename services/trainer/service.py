@@ -123,6 +123,7 @@ class TrainerService(Service):
         self.trainer: Trainer
         self.devices: TrainDevices
         self.backlog_groups = 0
+        self.backlog_ready_batches = 0  # batches built, not handed out yet (the trajectory's poll loop)
 
     async def start(self, rt: Runtime) -> None:
         self.rt = rt
@@ -231,6 +232,7 @@ class TrainerService(Service):
                     trajectory_pb2.GetStatsRequest(run_id=self.common.run_id)
                 )
                 self.backlog_groups = int(stats.values.get("groups_state_scored", 0.0))
+                self.backlog_ready_batches = int(stats.values.get("batches_ready", 0.0))
                 await self.refresh_pool()
             except grpc.aio.AioRpcError as exc:  # a peer briefly away: the last figures stand
                 self.rt.count_error("watch_backlog", exc)
@@ -238,12 +240,15 @@ class TrainerService(Service):
 
     def load(self) -> scheduler_pb2.WorkerLoad:
         """The trainer's demand as the scheduler's policies read it. Backlog batches: the waiting
-        scored groups in batches the size of the last one pulled, plus the step in progress (its
-        batch is not trained yet), so a trainer mid-step still asks for devices."""
+        scored groups in batches the size of the last one pulled, plus the batches already built and
+        waiting to be pulled, plus the step in progress (its batch is not trained yet), so a trainer
+        mid-step, or with a built batch and no device, still asks for devices."""
         t = self.trainer
         per_batch = t.last_batch_groups or 1
         return scheduler_pb2.WorkerLoad(
-            trainer_backlog_batches=math.ceil(self.backlog_groups / per_batch) + int(t.step_in_progress),
+            trainer_backlog_batches=math.ceil(self.backlog_groups / per_batch)
+            + self.backlog_ready_batches
+            + int(t.step_in_progress),
             trainer_step_s=t.last_metrics.get("step_s", 0.0),
             weight_version=t.state.version,
             trainer_backlog_groups=self.backlog_groups,
