@@ -206,8 +206,9 @@ class ElasticPolicy(Policy):
       does (training is on the critical path, `trainer_backlog >= 2`), borrowed devices go back down
       to the home split, `home_rollout_devices` (the operator's split; default half the pool, as
       the live Async default). In the tail (L below what rollout holds) rollout lends every device
-      a live execution does not need, one engine per execution, highest device IDs first (the router
-      fills the lowest IDs first, so those empty first). It never packs executions to lend more.
+      a live execution does not need, one engine per execution, highest device IDs first (a stable
+      order: the scheduler has no per-engine load, so the executions on a lent engine are
+      live-migrated). It never packs executions to lend more.
     - A move must pay for itself: optional moves (spreading, lending) happen only when the trainer's
       step cadence (`trainer_step_s`) exceeds `min_step_over_switch` role changes (`role_change_s`);
       on shorter steps Elastic holds its split like Async. Lending in the tail also needs trainer
