@@ -6,7 +6,8 @@ Masks (True = the query may attend to the key):
   node is an ancestor-or-self of a's node and b <= a. Tokens are laid out node by node in
   depth-first order, so every visible key precedes its query. Three exact kernels:
     * ``dense``: one `scaled_dot_product_attention` call with a boolean [T, T] mask; O(T^2) work.
-    * ``nodes``: one SDPA call per node over the keys of its ancestor chain plus itself; the work is
+    * ``nodes``: each node's queries over the keys of its ancestor chain plus itself, batched into
+      one SDPA call per group of nodes with the same chain shape (a root alone: causal); the work is
       sum over tokens of (visible keys), i.e. never more than training the paths separately.
     * ``flex``: `torch.nn.attention.flex_attention` with a block mask built from the node ancestry
       (compiled; the fast path on CUDA, skipping fully masked blocks).
@@ -29,6 +30,17 @@ import torch.nn.functional as F
 from gyre.errors import InvalidArgument
 
 
+@dataclass(frozen=True)
+class _NodeGroup:
+    """Nodes whose chains (non-empty nodes, root first) have the same token counts `shape`.
+
+    `nodes[g]` is the g-th node of the group; `levels[d][g]` the node at depth d of its chain."""
+
+    shape: tuple[int, ...]
+    nodes: list[int]
+    levels: list[list[int]]
+
+
 @dataclass
 class TreeLayout:
     """Ancestry of a tree-packed sequence; validates the arrays at construction (InvalidArgument).
@@ -42,7 +54,8 @@ class TreeLayout:
     node_lengths: list[int]
     node_parents: list[int]
     _chains: list[list[int]] = field(default_factory=list, repr=False)
-    _masks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    _masks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+    _node_groups: list[_NodeGroup] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.node_offsets = [int(x) for x in self.node_offsets]
@@ -105,16 +118,37 @@ class TreeLayout:
         idx = torch.arange(self.num_tokens, device=device)
         return anc[node[:, None], node[None, :]] & (idx[None, :] <= idx[:, None])
 
-    def suffix_causal_mask(self, node: int, device: torch.device) -> torch.Tensor:
-        """[1, 1, n, K] bool for node's queries over its visible keys: every ancestor key, causal on its own."""
-        key = (node, str(device))
+    def node_groups(self) -> list[_NodeGroup]:
+        """The non-empty nodes grouped by the token counts along their chains (empty nodes skipped),
+        computed once per layout: the nodes of a group have the same query count and key layout, so
+        one batched attention call serves them all (`_node_blocked_attention`)."""
+        if self._node_groups is None:
+            by_shape: dict[tuple[int, ...], list[list[int]]] = {}
+            for i in range(self.num_nodes):
+                if self.node_lengths[i]:
+                    chain = [j for j in self._chains[i] if self.node_lengths[j]]
+                    by_shape.setdefault(tuple(self.node_lengths[j] for j in chain), []).append(chain)
+            self._node_groups = [
+                _NodeGroup(
+                    shape, [c[-1] for c in chains], [[c[d] for c in chains] for d in range(len(shape))]
+                )
+                for shape, chains in by_shape.items()
+            ]
+        return self._node_groups
+
+    def suffix_causal_mask(
+        self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """[1, 1, n, K] additive mask (0 or -inf) of a node whose chain has token counts `shape`
+        (n = shape[-1], K = sum(shape)): every ancestor key, causal on its own keys."""
+        key = (shape, str(device), dtype)
         if key not in self._masks:
-            n = self.node_lengths[node]
-            prefix = sum(self.node_lengths[j] for j in self._chains[node]) - n
-            allowed = torch.arange(prefix + n, device=device)[None, :] <= (
-                prefix + torch.arange(n, device=device)[:, None]
+            n, k = shape[-1], sum(shape)
+            allowed = torch.arange(k, device=device)[None, :] <= (
+                k - n + torch.arange(n, device=device)[:, None]
             )
-            self._masks[key] = allowed[None, None]
+            mask = torch.zeros(n, k, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
+            self._masks[key] = mask[None, None]
         return self._masks[key]
 
     def visible_keys(self, node: int) -> torch.Tensor:
@@ -188,24 +222,38 @@ def tree_attention(
 def _node_blocked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeLayout
 ) -> torch.Tensor:
-    """One SDPA call per node over its ancestors' keys. Tensors are split into per-node pieces once
-    and each node concatenates its chain's pieces, so backward touches only the visible keys (a
-    per-node gather/slice of the whole sequence would write a full-size gradient per node)."""
+    """Each node's queries over its ancestors' keys, one SDPA call per group of same-shaped nodes.
+
+    Tensors are split into per-node pieces once; a group's keys are its chains' pieces stacked and
+    concatenated (a piece shared by the whole group, such as a common prompt, is expanded, not
+    copied per node first), so backward touches only visible keys and sums a shared piece's
+    gradient in one reduction. A node without non-empty ancestors is plain causal attention on its
+    own (one call each, as a flat trainer runs each sample). The call count per layer is the number
+    of distinct chain shapes, not of nodes: for a wide tree of equal branches, a handful."""
     sizes = layout.node_lengths
     qs, ks, vs = (t.split(sizes, dim=2) for t in (q, k, v))
-    outs = []
-    for i in range(layout.num_nodes):
-        n = sizes[i]
-        if n == 0:
-            outs.append(qs[i])
+    gqa = q.shape[1] != k.shape[1]
+    outs: list[torch.Tensor] = list(qs)  # empty nodes keep their (empty) piece
+    for group in layout.node_groups():
+        if len(group.shape) == 1:
+            for i in group.nodes:
+                outs[i] = _sdpa(qs[i], ks[i], vs[i], None, True)
             continue
-        chain = [j for j in layout.ancestors(i) if sizes[j]]
-        if len(chain) == 1:
-            outs.append(_sdpa(qs[i], ks[i], vs[i], None, True))
-            continue
-        keys = torch.cat([ks[j] for j in chain], dim=2)
-        values = torch.cat([vs[j] for j in chain], dim=2)
-        outs.append(_sdpa(qs[i], keys, values, layout.suffix_causal_mask(i, q.device), False))
+        g = len(group.nodes)
+
+        def stacked(pieces: Sequence[torch.Tensor], level: list[int], g: int = g) -> torch.Tensor:
+            if all(j == level[0] for j in level):
+                return pieces[level[0]].expand(g, -1, -1, -1)
+            return torch.cat([pieces[j] for j in level])
+
+        keys = torch.cat([stacked(ks, level) for level in group.levels], dim=2)
+        values = torch.cat([stacked(vs, level) for level in group.levels], dim=2)
+        mask = layout.suffix_causal_mask(group.shape, q.device, q.dtype)
+        out = F.scaled_dot_product_attention(
+            stacked(qs, group.levels[-1]), keys, values, attn_mask=mask, enable_gqa=gqa
+        )
+        for i, piece in zip(group.nodes, out.split(1), strict=True):
+            outs[i] = piece
     return torch.cat(outs, dim=2)
 
 

@@ -55,6 +55,44 @@ def test_tree_logits_equal_each_root_to_leaf_path_run_alone(model64, backend):
         _set_backend(model64, "auto")
 
 
+@pytest.mark.parametrize("gqa", [False, True])
+def test_node_kernel_batching_same_shaped_nodes_gives_the_dense_output_and_gradients(gqa):
+    """Wide trees (equal branches under one prompt, an empty node, two roots) put many nodes in one
+    batched call of the ``nodes`` kernel, with shared pieces expanded: output and the gradients of
+    q, k and v equal the dense-mask kernel's."""
+    from gyre.model.attention import tree_attention
+    from gyre.model.trees import shared_prefix_tree
+
+    wide = shared_prefix_tree(prefix_len=6, num_branches=4, branch_len=3, depth=2)
+    n = wide.num_tokens
+    # a second tree of the same shape after it, whose second node is empty
+    lengths = wide.node_lengths + [0] + wide.node_lengths[1:]
+    parents = (
+        wide.node_parents
+        + [-1]
+        + [p + len(wide.node_lengths) if p > 0 else len(wide.node_lengths) for p in wide.node_parents[1:]]
+    )
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    layout = TreeLayout(sum(lengths), offsets, lengths, parents)
+    assert any(len(g.nodes) > 1 and len(g.shape) > 1 for g in layout.node_groups())
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads = 4, (2 if gqa else 4)
+    q = torch.randn(1, heads, layout.num_tokens, 8, dtype=torch.float64, generator=gen)
+    k, v = (
+        torch.randn(1, kv_heads, layout.num_tokens, 8, dtype=torch.float64, generator=gen) for _ in range(2)
+    )
+    grad_out = torch.randn(1, heads, layout.num_tokens, 8, dtype=torch.float64, generator=gen)
+    results = []
+    for backend in ("dense", "nodes"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = tree_attention(*leaves, layout, backend)
+        out.backward(grad_out)
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    assert n < layout.num_tokens
+    for dense, nodes in zip(*results, strict=True):
+        torch.testing.assert_close(nodes, dense, rtol=1e-10, atol=1e-10)
+
+
 def test_flex_backend_matches_dense_without_grad(model64):
     rng = random.Random(3)
     tree = random_tree(rng, num_nodes=5, max_len=4)
