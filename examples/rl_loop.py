@@ -2,7 +2,7 @@
 
     rollout:    longhorizon env + the rollout agent loop (context policy, sampling seeds)
                 driving the torch engine (KV cache, continuous batching)
-    trajectory: task trees, GRPO scoring + dedup (`score_group`), tree packing (`pack`)
+    trajectory: task trees, scoring + credit assignment + dedup (`score_group`), tree packing (`pack`)
     trainer:    `from_chunks` -> `train_on_shard` (clip-higher PPO tree loss + entropy bonus, AdamW)
     weights:    `save_weights` -> engine `load_weights` (a new version every optimizer step)
 
@@ -70,6 +70,10 @@ class LearningSettings:
     entropy_coef: float = 0.1
     entropy_target: float = 0.5  # nats; < 0: no floor
     normalise_std: int = 0  # GRPO's division by the group's reward std (quickstart: off)
+    credit: str = "progress"  # trajectory.credit_assignment: "execution" | "progress" | "tree"
+    progress_discount: float = 0.0  # trajectory.progress_discount
+    tree_local_coef: float = 1.0  # trajectory.tree_local_coef
+    tree_global_coef: float = 0.0  # trajectory.tree_global_coef
     temperature: float = 1.0
     max_turns: int = 8
     num_actions: int = 4
@@ -131,7 +135,7 @@ async def run_learning(
                 tasks = list(itertools.islice(task_ids, s.tasks_per_iteration))
                 sink, outcomes = await sample_groups(engine, agent_cfg, family, tasks, it, s)
                 trees = build_trees(tasks, sink)
-                groups = score_groups(tasks, trees, sink, it, bool(s.normalise_std))
+                groups = score_groups(tasks, trees, sink, it, s)
                 batch = from_chunks(pack(trees, [g.group for g in groups]).chunks)
                 metrics = train_on_shard(
                     model, optimizer, batch, loss_settings, ref_model, cfg.grad_clip, lambda m: None
@@ -184,9 +188,10 @@ def build_trees(tasks: list[str], sink: MemoryStepSink) -> dict[str, TaskTree]:
 
 
 def score_groups(
-    tasks: list[str], trees: dict[str, TaskTree], sink: MemoryStepSink, iteration: int, normalise_std: bool
+    tasks: list[str], trees: dict[str, TaskTree], sink: MemoryStepSink, iteration: int, s: LearningSettings
 ) -> list[GroupResult]:
-    """Scores (final reward or partial progress), GRPO advantages and dedup, one group per task."""
+    """Scores (final reward or partial progress), per-call advantages (``s.credit``: from the progress
+    each call's step reported, as the trajectory service keeps it) and dedup, one group per task."""
     ends = {ev.execution_id: ev for ev in sink.executions if ev.kind in _ENDINGS}
     scorer = ProgressScorer()
     results = []
@@ -201,8 +206,23 @@ def score_groups(
             for eid, ev in ends.items()
             if ev.task_id == t
         }
+        progress: dict[str, dict[int, ProgressSignals]] = {}
+        for st in sink.steps:
+            if st.task_id == t:
+                progress.setdefault(st.execution_id, {})[st.call_seq] = signals(st.progress)
         results.append(
-            score_group(trees[t], f"{t}.g{iteration}", outcomes, scorer, normalise_std=normalise_std)
+            score_group(
+                trees[t],
+                f"{t}.g{iteration}",
+                outcomes,
+                scorer,
+                normalise_std=bool(s.normalise_std),
+                credit=s.credit,  # type: ignore[arg-type]
+                tree_local_coef=s.tree_local_coef,
+                tree_global_coef=s.tree_global_coef,
+                step_progress=progress,
+                progress_discount=s.progress_discount,
+            )
         )
     return results
 

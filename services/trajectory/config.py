@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from gyre.config import ConfigModel
+from services.trajectory.scoring import CreditAssignment
 
 
 class TrajectoryConfig(ConfigModel):
@@ -59,6 +60,34 @@ class TrajectoryConfig(ConfigModel):
     )
     normalise_advantage_std: bool = Field(
         True, description="Divide group advantages by the group's reward std (GRPO)."
+    )
+    credit_assignment: CreditAssignment = Field(
+        "execution",
+        description=(
+            "How rewards become per-token advantages (docs/trainer.md, 'Credit assignment'): 'execution' = one GRPO "
+            "advantage per execution on all its tokens; 'progress' = each call credited with the progress the "
+            "environment reported after it, minus the group's mean progress per call; 'tree' = per-call values "
+            "from the task tree (mean reward of the executions through a node)."
+        ),
+    )
+    progress_discount: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "credit_assignment 'progress': weight of later calls' progress in a call's advantage (0 = only its own "
+            "progress, 1 = all progress after it)."
+        ),
+    )
+    tree_local_coef: float = Field(
+        1.0,
+        ge=0.0,
+        description="credit_assignment 'tree': weight of V(node after the call) - V(node of its prompt).",
+    )
+    tree_global_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="credit_assignment 'tree': weight of V(node after the call) - group mean reward.",
     )
     near_duplicate_threshold: float = Field(
         0.9,

@@ -110,6 +110,11 @@ class GroupScoring:
                 near_threshold=self.cfg.near_duplicate_threshold,
                 num_perm=self.cfg.near_duplicate_num_perm,
                 shingle_size=self.cfg.shingle_size,
+                credit=self.cfg.credit_assignment,
+                step_progress={e: self.state.executions[e].step_progress for e in g.members},
+                progress_discount=self.cfg.progress_discount,
+                tree_local_coef=self.cfg.tree_local_coef,
+                tree_global_coef=self.cfg.tree_global_coef,
             )
         except InvalidArgument as exc:
             log.error("group %s cannot be scored: %s", gid, exc)

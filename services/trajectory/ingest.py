@@ -273,6 +273,7 @@ class StepIngest:
                 batch.groups[step.group_id] = step.task_id
                 batch.tasks.add(step.task_id)
                 st.group(step.group_id, step.task_id).members.add(step.execution_id)
+            info.step_progress[step.call_seq] = d.progress
             if info.last_step_progress is None or step.call_seq > info.last_step_progress[0]:
                 info.last_step_progress = (step.call_seq, d.progress)
             summary.num_stored += 1

@@ -6,16 +6,18 @@ the nodes of the selected executions' paths are laid out node by node in depth-f
 token's position in its original sequence (``node.start + i``).
 
 Weights. For an executions' representative e (see dedup): ``norm_e = multiplicity_e *
-dedup_weight_e / normaliser`` and ``w_e = advantage_e * norm_e``, where ``advantage_e`` is the mean
-of the advantages of the members it stands for and ``normaliser`` is the number of trained tokens
-of the batch counted per member (sum of norm numerators times generated tokens), so the packed
-loss is a token mean over every member of every group. A token t is *trained for e* when e
-generated it (``TaskTree.owned_positions``: each generated token once, where it was generated).
-Then ``weight_pos_t`` / ``weight_neg_t`` sum w_e over the executions that trained t with w_e >= 0 / < 0
-and ``kl_weight_t`` sums norm_e, so for any per-token losses l(+), l(-), kl:
+dedup_weight_e / normaliser`` and ``w_{e,t} = advantage_{e,t} * norm_e``, where ``advantage_{e,t}``
+is the advantage of the call of e that generated token t (``PackedExecution.call_advantages``;
+with credit assignment "execution" the same for every call), averaged over the members e stands
+for, and ``normaliser`` is the number of trained tokens of the batch counted per member (sum of
+norm numerators times generated tokens), so the packed loss is a token mean over every member of
+every group. A token t is *trained for e* when e generated it (``TaskTree.owned_positions``: each
+generated token once, where it was generated). Then ``weight_pos_t`` / ``weight_neg_t`` sum
+w_{e,t} over the executions that trained t with w_{e,t} >= 0 / < 0 and ``kl_weight_t`` sums norm_e,
+so for any per-token losses l(+), l(-), kl:
 
     sum_t weight_pos_t l(+)_t + weight_neg_t l(-)_t + kl_weight_t kl_t
-        = sum_e sum_{t trained for e} w_e l(sign w_e)_t + norm_e kl_t
+        = sum_e sum_{t trained for e} w_{e,t} l(sign w_{e,t})_t + norm_e kl_t
 
 which is the loss of training every execution's paths separately (tests/trajectory/test_packing.py).
 Behaviour log-prob and version of a token come from the first execution (by id) that generated it.
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gyre.v1 import trajectory_pb2
-from services.trajectory.tree import LOGPROB_DTYPE, TaskTree
+from services.trajectory.tree import LOGPROB_DTYPE, Node, TaskTree
 
 
 @dataclass(slots=True)
@@ -42,6 +44,9 @@ class PackedExecution:
     dedup_weight: float
     reward_sum: float  # sum of the members' rewards
     num_partial: int  # members scored as partial
+    # call_seq -> advantage of that call's generated tokens (mean over the members); a call not
+    # listed gets ``advantage``. Empty = one advantage for the whole execution (credit "execution").
+    call_advantages: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -165,12 +170,13 @@ def pack(trees: dict[str, TaskTree], groups: list[ScoredGroup], *, batch_id: str
         reward_sum = 0.0
         for e in execs:
             norm = e.multiplicity * e.dedup_weight / normaliser
-            w = e.advantage * norm
-            target = wpos if w >= 0 else wneg
+            adv = token_advantages(tree, e, owned[e.execution_id])
             for nid, (mask, lp, vv) in owned[e.execution_id].items():
                 o = int(offsets[index[nid]])
                 sl = slice(o, o + len(mask))
-                target[sl][mask] += w
+                w = adv[nid] * norm
+                wpos[sl][mask] += np.maximum(w, 0.0)[mask]
+                wneg[sl][mask] += np.minimum(w, 0.0)[mask]
                 klw[sl][mask] += norm
                 fresh = mask & (loss_mask[sl] == 0)
                 blp[sl][fresh] = lp[fresh]
@@ -225,6 +231,34 @@ def pack(trees: dict[str, TaskTree], groups: list[ScoredGroup], *, batch_id: str
         normaliser=normaliser,
         paths=paths,
     )
+
+
+def token_advantages(
+    tree: TaskTree,
+    e: PackedExecution,
+    owned: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> dict[int, np.ndarray]:
+    """Advantage of every token of the owned nodes (node id -> float64 per token of the node).
+
+    A generated token takes the advantage of the call that generated it, by the same rule as
+    ``TaskTree.owned_positions`` (the lowest call_seq that generated the position); tokens the
+    execution did not generate carry its ``advantage`` (they are masked out by the caller)."""
+    out = {nid: np.full(len(mask), e.advantage, dtype=np.float64) for nid, (mask, _, _) in owned.items()}
+    if not e.call_advantages:
+        return out
+    done = {nid: np.zeros(len(mask), dtype=bool) for nid, (mask, _, _) in owned.items()}
+    calls = tree.calls_by_execution.get(e.execution_id, {})
+    for seq in sorted(calls):
+        rec = calls[seq]
+        a = e.call_advantages.get(seq, e.advantage)
+        n: Node | None = rec.end_node
+        while n is not None and n.node_id >= 0 and n.end > rec.prompt_len:
+            i0 = max(n.start, rec.prompt_len) - n.start
+            fresh = ~done[n.node_id][i0:]
+            out[n.node_id][i0:][fresh] = a
+            done[n.node_id][i0:] = True
+            n = n.parent
+    return out
 
 
 def _dfs_order(tree: TaskTree, node_set: set[int]) -> list[int]:

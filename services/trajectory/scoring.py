@@ -15,13 +15,15 @@ Guarantees
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Literal, Protocol
 
 from gyre.errors import ConfigError, InvalidArgument
+from services.trajectory.tree import CallRecord, Node, TaskTree
 
 
 class Ending(StrEnum):
@@ -193,3 +195,121 @@ def node_values(paths: dict[str, list[int]], rewards: dict[str, float]) -> dict[
             sums[nid] = sums.get(nid, 0.0) + rewards[eid]
             counts[nid] = counts.get(nid, 0) + 1
     return {nid: sums[nid] / counts[nid] for nid in sums}
+
+
+# ---------------------------------------------------------------------------------- credit assignment
+CreditAssignment = Literal["execution", "progress", "tree"]
+"""How a group's rewards become per-token advantages (``trajectory.credit_assignment``):
+
+- ``execution``: GRPO, one advantage per execution (``group_advantages``) on every token it generated.
+- ``progress``: per-call advantages from the progress the environment reported after each call
+  (``progress_call_advantages``): each call is credited with the progress it made.
+- ``tree``: per-call advantages from the task tree (``tree_call_advantages``): what each call's
+  completion changed in the value of the tree node it left, on top of the execution's GRPO term.
+"""
+
+
+def prompt_node(rec: CallRecord) -> Node | None:
+    """The node holding the call's last prompt token (the state the call was made in); None when
+    the prompt is empty (the call starts at the root)."""
+    n: Node | None = rec.end_node
+    while n is not None and n.node_id >= 0 and n.start >= rec.prompt_len:
+        n = n.parent
+    return n if n is not None and n.node_id >= 0 else None
+
+
+def tree_call_advantages(
+    tree: TaskTree, rewards: dict[str, float], *, local_coef: float = 1.0, global_coef: float = 0.0
+) -> dict[str, dict[int, float]]:
+    """Per-call advantages of a group's executions from tree node values (TreeRL-style).
+
+    ``rewards`` holds one reward per execution of the group (every member, duplicates included).
+    The value of a node, ``V(n)``, is the mean reward of the group's executions whose calls pass
+    through n (``node_values``); ``V0`` is the group mean. For call c of execution e, with
+    ``before`` the node of its last prompt token and ``after`` the node it ends at:
+
+        A(e, c) = global_coef * (V(after) - V0) + local_coef * (V(after) - V(before))
+
+    The *local* term is the change of value the call's own completion made: where executions that
+    shared everything up to the call took different actions, it compares them with each other, so
+    an action is credited with what followed *it*, not with what the execution did elsewhere;
+    where nobody else shared the prompt (a single-execution branch) it is 0. Without context
+    rewriting the local terms of a call chain telescope to ``r_e - V(first prompt node)``;
+    compaction re-merges executions whose rewritten prompts agree, so those calls are compared
+    with every execution that reached the same rewritten prompt. The *global* term is the GRPO
+    advantage ``r_e - V0`` wherever the execution is alone, and a lower-variance estimate of it (a
+    mean over the executions sharing the node) where it is not.
+
+    A group whose rewards all agree gets exactly 0 on every call (no signal, as ``group_advantages``).
+    Units: reward units (no std normalisation).
+    """
+    eids = sorted(e for e in rewards if e in tree.calls_by_execution)
+    out: dict[str, dict[int, float]] = {e: {} for e in eids}
+    if not eids:
+        return out
+    vals = [rewards[e] for e in eids]
+    if max(vals) - min(vals) <= ZERO_VARIANCE_SPREAD:
+        for e in eids:
+            out[e] = {seq: 0.0 for seq in tree.calls_by_execution[e]}
+        return out
+    values = node_values({e: sorted(tree.nodes_of([e])) for e in eids}, {e: rewards[e] for e in eids})
+    v0 = sum(vals) / len(vals)
+    for e in eids:
+        for seq, rec in tree.calls_by_execution[e].items():
+            before = prompt_node(rec)
+            v_before = values[before.node_id] if before is not None else v0
+            v_after = values[rec.end_node.node_id]
+            out[e][seq] = global_coef * (v_after - v0) + local_coef * (v_after - v_before)
+    return out
+
+
+def progress_call_advantages(
+    potentials: dict[str, list[float]], *, discount: float = 0.0
+) -> dict[str, list[float]]:
+    """Per-call advantages from the progress an execution reported after each call.
+
+    ``potentials[e]`` = [Phi_0, Phi_1, ..., Phi_n]: the score of e's progress before its first call
+    (Phi_0) and after each of its n calls, the last being e's score (final reward or partial).
+    Call k earns r_k = Phi_{k+1} - Phi_k (so sum_k r_k = score - Phi_0); with rbar the mean r over
+    every call of the group, its advantage is A_k = sum_{j>=k} discount^(j-k) (r_j - rbar).
+    """
+    steps = {e: [phi[k + 1] - phi[k] for k in range(len(phi) - 1)] for e, phi in potentials.items()}
+    flat = [r for r in itertools.chain.from_iterable(steps.values())]
+    if not flat or max(flat) - min(flat) <= ZERO_VARIANCE_SPREAD:
+        return {e: [0.0] * len(r) for e, r in steps.items()}
+    rbar = sum(flat) / len(flat)
+    out: dict[str, list[float]] = {}
+    for e, r in steps.items():
+        a = [0.0] * len(r)
+        acc = 0.0
+        for k in range(len(r) - 1, -1, -1):
+            acc = (r[k] - rbar) + discount * acc
+            a[k] = acc
+        out[e] = a
+    return out
+
+
+def has_signal(p: ProgressSignals) -> bool:
+    """Whether a progress report says anything (milestones or a tests fraction)."""
+    return p.milestones_total > 0 or p.tests_passed_fraction is not None
+
+
+def call_potentials(
+    scorer: Scorer,
+    execution_id: str,
+    score: float,
+    call_seqs: Sequence[int],
+    step_progress: dict[int, ProgressSignals],
+) -> list[float]:
+    """[Phi_0, ..., Phi_n] for ``progress_call_advantages``: the scorer's partial score of no
+    progress, then of the progress reported after each call but the last (a call whose step
+    carried no signal keeps the previous value), then the execution's score."""
+    phi = [scorer.score(Outcome(execution_id, Ending.RUNNING, None, ProgressSignals())).reward]
+    for k in list(call_seqs)[:-1]:
+        p = step_progress.get(k)
+        if p is None or not has_signal(p):
+            phi.append(phi[-1])
+        else:
+            phi.append(scorer.score(Outcome(execution_id, Ending.RUNNING, None, p)).reward)
+    phi.append(score)
+    return phi

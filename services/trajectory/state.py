@@ -45,6 +45,7 @@ class ExecInfo:
     reward: float | None = None
     progress: ProgressSignals = field(default_factory=ProgressSignals)  # from the end event
     last_step_progress: tuple[int, ProgressSignals] | None = None  # (call_seq, progress) of the latest call
+    step_progress: dict[int, ProgressSignals] = field(default_factory=dict)  # call_seq -> progress after it
     num_calls: int | None = None
     ended_unix_s: float | None = None
 
@@ -137,6 +138,8 @@ class TrajectoryState:
                 self.first_end[e.group_id] = min(self.first_end.get(e.group_id, math.inf), info.ended_unix_s)
         for c in calls:
             cinfo = self.executions.get(c.execution_id)
+            if cinfo is not None:
+                cinfo.step_progress[c.call_seq] = progress_from_json(c.progress)
             if cinfo is not None and (
                 cinfo.last_step_progress is None or c.call_seq > cinfo.last_step_progress[0]
             ):

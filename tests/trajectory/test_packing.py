@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import pytest
 
 from services.trajectory.grouping import score_group
 from services.trajectory.packing import PackedExecution, ScoredGroup, pack, select_groups, trainable_tokens
@@ -43,14 +44,24 @@ def prefix_value(prefix: bytes, salt: str) -> float:
     return int.from_bytes(h, "little") / 2**64 - 0.5
 
 
-def generated_prefixes(calls) -> set[bytes]:
-    """Every generated token of an execution as its full prefix (the token included), each once."""
-    out: set[bytes] = set()
-    for c in calls:
+def generated_prefixes(calls) -> dict[bytes, int]:
+    """Every generated token of an execution as its full prefix (the token included), each once,
+    with the call_seq of the first call that generated it."""
+    out: dict[bytes, int] = {}
+    for c in sorted(calls, key=lambda c: c.call_seq):
         seq = np.concatenate([c.prompt, c.completion]).astype(np.int32)
         for i in range(len(c.prompt), len(seq)):
-            out.add(seq[: i + 1].tobytes())
+            out.setdefault(seq[: i + 1].tobytes(), c.call_seq)
     return out
+
+
+def step_progress(ex) -> dict[int, ProgressSignals]:
+    """A made-up progress report after each call: one more milestone every third call, at most 3 of
+    4 (the same for exact duplicates, which made the same calls, as a deterministic environment's)."""
+    return {
+        c.call_seq: ProgressSignals(min(3, (k + 1) // 3 + len(c.completion) % 2), 4)
+        for k, c in enumerate(ex.calls)
+    }
 
 
 def chunk_prefixes(chunk) -> list[bytes]:
@@ -81,7 +92,8 @@ def outcomes_for(execs):
     }
 
 
-def test_packed_tree_loss_equals_the_sum_of_per_path_losses():
+@pytest.mark.parametrize("credit", ["execution", "progress", "tree"])
+def test_packed_tree_loss_equals_the_sum_of_per_path_losses(credit):
     execs, trees = build()
     outcomes = outcomes_for(execs)
     scorer = ProgressScorer()
@@ -95,25 +107,32 @@ def test_packed_tree_loss_equals_the_sum_of_per_path_losses():
                 {m.execution_id: outcomes[m.execution_id] for m in members},
                 scorer,
                 near_threshold=0.5,
+                credit=credit,
+                step_progress={m.execution_id: step_progress(m) for m in members},
             )
         )
     batch = pack(trees, [r.group for r in results])
 
-    # Reference: every original execution separately, each generated token once, with its own advantage.
+    # Reference: every original execution separately, each generated token once, with the
+    # advantage of the call that generated it (its own advantage when credit is per execution).
     by_id = {ex.execution_id: ex for ex in execs}
     weight_of = {}
     for r in results:
         for rep, members in r.dedup.members.items():
             for m in members:
-                weight_of[m] = (r.advantages[m], r.dedup.weights[rep])
+                weight_of[m] = (r.advantages[m], r.call_advantages.get(m, {}), r.dedup.weights[rep])
+    if credit != "execution":
+        assert any(
+            len(set(ca.values())) > 1 for _, ca, _ in weight_of.values()
+        )  # per call, not per execution
     prefixes = {eid: generated_prefixes(by_id[eid].calls) for eid in weight_of}
-    normaliser = sum(dw * len(prefixes[e]) for e, (_, dw) in weight_of.items())
+    normaliser = sum(dw * len(prefixes[e]) for e, (_, _, dw) in weight_of.items())
     assert np.isclose(batch.normaliser, normaliser)
     ref = 0.0
-    for eid, (adv, dw) in weight_of.items():
+    for eid, (adv, call_adv, dw) in weight_of.items():
         norm = dw / normaliser
-        w = adv * norm
-        for p in prefixes[eid]:
+        for p, seq in prefixes[eid].items():
+            w = call_adv.get(seq, adv) * norm
             ref += w * prefix_value(p, "pos" if w >= 0 else "neg") + norm * prefix_value(p, "kl")
 
     packed = 0.0
