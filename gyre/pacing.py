@@ -20,7 +20,7 @@ How a generation is priced (as the simulator prices a turn, `services/scheduler/
 prefill of the turn's new tokens on top of its context, then its generated tokens at the engine's
 memory-bound decode step time for every context decoding on that engine when the turn starts
 (quasi-static). The modelled token counts of a turn come from the `workload` environment, which
-sets them per execution (`Pacer.set_turn`) from the same sampler as the simulator; a request no
+sets them per execution (`Pacer.turns`) from the same sampler as the simulator; a request no
 environment describes is priced from its real token counts times `tokens_per_live_token`.
 """
 
