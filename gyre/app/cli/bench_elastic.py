@@ -42,7 +42,9 @@ from gyre.errors import ConfigError
 
 POLICIES = ("colocate", "async", "elastic")
 DEFAULT_WORKLOAD = Path("examples/workloads/paced_longtail.yaml")
-MAX_TOKENS = 1  # real tokens per call (the action is the first token): the modelled ones come from the workload file
+MAX_TOKENS = (
+    1  # real tokens per call (the action is the first token): the modelled ones come from the workload file
+)
 
 
 def live_tokens_per_group(w: Any) -> int:
