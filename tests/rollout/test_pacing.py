@@ -195,3 +195,44 @@ async def test_every_workload_execution_has_the_same_real_tokens_so_a_batch_budg
         lengths.add(await asyncio.create_task(run(env), name=name))
         assert env.plan is not None
     assert lengths == {family.tokens_per_execution}
+
+
+async def test_a_paced_engine_drained_mid_turn_keeps_the_modelled_share_and_the_call_resumes_exactly() -> (
+    None
+):
+    from services.rollout.router import Router
+
+    cfg = ModelConfig.model_validate({})
+    turn = ModeledTurn(5_000.0, 400.0, 1_200.0)
+    reference = TorchEngine("ref", "cpu9-0", cfg, init_seed=3)
+    await reference.start()
+    expected = await reference.generate(_request(1, "x1", max_tokens=8))
+    await reference.close()
+
+    clock = FakeClock()  # frozen: the paced engine holds the finished tokens until told otherwise
+    held = Pacer(paced(10.0), clock=clock, sleep=clock.sleep)
+    resumed = Pacer(paced(1e9))
+    for p in (held, resumed):
+        p.turns["x1"] = turn
+    router = Router()
+    engine_a = TorchEngine("a", "cpu0-0", cfg, init_seed=3, pacer=held)
+    await engine_a.start()
+    await router.add_engine(engine_a)
+    call = asyncio.create_task(router.generate(_request(1, "x1", max_tokens=8)))
+    while engine_a.tokens_generated < 8:  # noqa: ASYNC110 - polling a counter
+        await asyncio.sleep(0.005)
+    (wait,) = [w for w in held.waits if w.what == "generate"]
+    clock.now += 0.5 * wait.modeled_s / 10.0  # half of the modelled turn has passed
+    engine_b = TorchEngine("b", "cpu0-1", cfg, init_seed=3, pacer=resumed)
+    await engine_b.start()
+    await router.add_engine(engine_b)
+    await router.remove_engine("cpu0-0")  # drained: cut at the modelled half, resumed on b
+    got = await call
+    await router.remove_engine("cpu0-1")
+
+    assert got.token_ids == expected.token_ids and got.num_migrations == 1
+    assert got.engine_ids == ["a", "b"]
+    # b priced the rest as the simulator prices a migrated turn: the KV copy, then the remaining half
+    rest = resumed.turn_of("x1", prompt_tokens=0, max_tokens=4, token_offset=4)
+    (priced,) = [w.modeled_s for w in resumed.waits if w.what == "generate"]
+    assert priced == pytest.approx(resumed.generation_s(rest, 0.0, resumed=True), rel=1e-12)
