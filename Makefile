@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run run-byo run-hf test lint typecheck unit proto bench sim docs-numbers clean
+.PHONY: help venv run run-byo run-hf test lint typecheck unit proto bench bench-elastic sim docs-numbers clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -50,6 +50,9 @@ bench: $(STAMP) ## run the benchmarks (JSON on stdout)
 	$(BIN)/gyre bench trajectory --json
 	$(BIN)/gyre bench trainer --json
 	$(BIN)/gyre bench rollout --json
+
+bench-elastic: $(STAMP) ## colocate, async and elastic on paced devices next to the simulator (about 8 minutes)
+	$(BIN)/gyre bench elastic --json
 
 sim: $(STAMP) ## run the cluster simulator on the xlong workload
 	$(BIN)/gyre sim --workload xlong --json
