@@ -28,7 +28,8 @@ def test_compare_prints_each_run_side_by_side(
     assert out[str(rising)]["measured"]["num_steps"] == 5
     predicted = out[str(rising)]["predicted"]
     assert predicted is not None, out[str(rising)]["prediction_note"]
-    assert predicted["time_per_step_s"] > 0 and 0 <= predicted["device_idle_fraction"] <= 1
+    assert predicted["time_per_step_s"] > 0 and 0 <= predicted["idle_fraction_busy"] <= 1
+    assert "device_idle_fraction" not in predicted  # the summary's lease-based share has that name
     assert out[str(flat)]["predicted"] is None and "config.yaml" in out[str(flat)]["prediction_note"]
     console = Console(record=True, width=160)
     console.print(compare.compare_table([rising, flat]))

@@ -153,7 +153,9 @@ def workload_for_run(run_dir: Path, summary: dict[str, Any]) -> Any:
 
 
 def predict(run_dir: Path, summary: dict[str, Any]) -> tuple[dict[str, float] | None, str]:
-    """The simulator's time_per_step_s and device_idle_fraction for this run's config and policy.
+    """The simulator's time_per_step_s and idle_fraction_busy (1 - its busy-based device utilization;
+    the run summary's `device_idle_fraction` is the no-lease share, a different quantity, so the
+    prediction never carries that name) for this run's config and policy.
 
     Returns (None, why) when the simulator or the run's config is not available.
     """
@@ -195,8 +197,9 @@ def predict(run_dir: Path, summary: dict[str, Any]) -> tuple[dict[str, float] | 
     except Exception as exc:  # a prediction failure must not hide the measured table
         return None, f"simulator failed: {exc!r}"
     out = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}
+    out.pop("device_idle_fraction", None)
     if "device_utilization" in out:
-        out["device_idle_fraction"] = 1.0 - out["device_utilization"]
+        out["idle_fraction_busy"] = 1.0 - out["device_utilization"]
     return out, ""
 
 
@@ -249,7 +252,7 @@ def compare_table(run_dirs: list[Path]) -> Table:
     preds = [predict(d, s) for d, s in zip(run_dirs, summaries, strict=True)]
     for key, label, fmt in (
         ("time_per_step_s", "sim: s/step (vs sim window)", ".2f"),
-        ("device_idle_fraction", "sim: idle fraction (vs busy-based)", ".3f"),
+        ("idle_fraction_busy", "sim: idle fraction (vs busy-based)", ".3f"),
     ):
         cells = []
         for (pred, _why), m, s in zip(preds, measured, summaries, strict=True):
