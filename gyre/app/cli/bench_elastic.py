@@ -9,7 +9,7 @@ and Postgres, every service its own process) on `num_devices / devices_per_unit`
 devices, each paced as one scheduling unit of the workload (`devices.pacing`, gyre/pacing.py),
 with the `workload` environment drawing every execution's turns, tokens and tool latencies from the
 file the simulator reads. Async runs at the split the simulator's sweep picks for the workload;
-elastic at its home split (half the pool), as in the simulator. Then it prints, per policy: the
+elastic has the same split as its home (`scheduler.async_rollout_devices`), as the simulator gives it. Then it prints, per policy: the
 measured wall seconds per trainer step over the simulator's window (after `warmup_steps`), the
 simulator's prediction (modelled seconds / time_scale) and the relative error, reassignments, live
 migrations, executions interrupted, completed TRAIN handoffs, device-seconds per role (by lease and
@@ -86,7 +86,7 @@ def run_config(
         "drain_timeout_s": 60.0,
         "sim_workload": str(workload_file.resolve()),
     }
-    if policy == "async":
+    if policy in ("async", "elastic"):  # elastic's home split is the operator's, as the simulator gives it
         scheduler["async_rollout_devices"] = async_units
     return {
         "run_id": f"bench-elastic-{policy}",
@@ -156,9 +156,8 @@ def predict_policy(w: Any, policy: str, async_units: int) -> dict[str, Any]:
     """The simulator's numbers for one policy on the workload (modelled seconds)."""
     from services.scheduler.sim import predict
 
-    return predict(
-        w, policy, num_rollout_devices=async_units * w.devices_per_unit if policy == "async" else None
-    )
+    split = async_units * w.devices_per_unit if policy in ("async", "elastic") else None
+    return predict(w, policy, num_rollout_devices=split)
 
 
 def row(measured: dict[str, Any], predicted: dict[str, Any], time_scale: float) -> dict[str, Any]:
