@@ -177,9 +177,9 @@ def predict(run_dir: Path, summary: dict[str, Any]) -> tuple[dict[str, float] | 
         # a workload file named by the config wins; else one calibrated on the run itself
         workload: Any = run_dir / "config.yaml" if named else workload_for_run(run_dir, summary)
         rollout_devices = None
-        if policy == "async":
+        if policy in ("async", "elastic"):  # async's split; elastic's home (the operator's split)
             rollout_devices = (raw.get("scheduler") or {}).get("async_rollout_devices")
-            if rollout_devices is None and summary.get("duration_s"):
+            if rollout_devices is None and policy == "async" and summary.get("duration_s"):
                 rollout_devices = round(
                     float(summary.get("rollout_device_s") or 0.0) / float(summary["duration_s"])
                 )
