@@ -25,7 +25,8 @@ Guarantees
   optimizer state bit for bit (rank 0 broadcasts them to the whole new group).
 - Ranks are tied to devices: a released device's rank has left the group when `apply` returns;
   on a GPU its process has exited (the device is free). A logical CPU slot's worker is kept as a
-  spare, outside every group, and serves the next slot granted (no new process start-up). When rank 0's own device is released while others are held, rank 0 moves onto
+  spare, outside every group (even while still booting), and serves the next slot granted (no
+  new process start-up). When rank 0's own device is released while others are held, rank 0 moves onto
   one of them (the worker there retires); with no device held, rank 0 is parked on the CPU.
 - Growing starts workers without blocking; they join at the first boundary after they are ready
   (or at once with `apply(wait=True)`).
@@ -317,7 +318,9 @@ class ElasticGroup:
         spec = self.spec_of(device_id)
         self.backend = spec.backend
         if spec.device == "cpu" and self.spares:
-            worker = self.spares.pop()
+            ready = [w for w in self.spares if w.poll_ready()]
+            worker = (ready or self.spares)[-1]  # a ready spare first, else one still booting
+            self.spares.remove(worker)
             worker.device_id = device_id
             return worker
         parent, child = self.ctx.Pipe()
@@ -330,10 +333,12 @@ class ElasticGroup:
         return _Worker(device_id, spec.device, proc, parent)
 
     def _retire(self, worker: _Worker) -> None:
-        """The worker leaves the group. A ready worker of a logical CPU slot stays as a spare (its
-        process holds no device; the next slot granted reuses it instead of paying a new process's
-        start-up); any other worker exits — a worker still booting is terminated at once."""
-        if worker.poll_ready() and worker.device == "cpu":
+        """The worker leaves the group. A worker of a logical CPU slot stays as a spare, ready or
+        still booting (its process holds no device; the next slot granted reuses it instead of
+        paying a new process's start-up — under colocate the trainer holds the pool for less time
+        than a worker takes to boot on a loaded CPU, so terminating booting workers meant no rank
+        ever joined); any other worker exits — one still booting is terminated at once."""
+        if worker.device == "cpu":
             self.spares.append(worker)
             return
         if not worker.ready:

@@ -192,3 +192,28 @@ async def test_a_trainer_holding_no_device_pulls_nothing_until_a_device_is_lease
     await devices.stop_using("cpu0-0")  # returns once the rank has left: nothing trains on it
     assert trainer.dp.size == 0 and trainer.dp.device_ids == []
     trainer.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_cpu_slot_given_back_while_its_worker_boots_keeps_the_worker_for_the_next_grant(tmp_path):
+    # Colocate hands the trainer the whole pool for one step, often shorter than a worker's
+    # start-up on a loaded CPU. The booting worker must survive the hand-back, or no rank but rank 0
+    # would ever join.
+    trainer = _trainer(tmp_path, [])
+    dp = trainer.dp
+    try:
+        dp.request_devices(["d0", "d1"])
+        dp.apply()  # d1's worker starts; not waited for
+        booting = [w.process.pid for w in dp.booting]
+        assert len(booting) == 1
+        dp.request_devices(["d0"])  # d1 goes back to rollout before its worker is ready
+        dp.apply()
+        assert dp.spare_pids() == booting and _running(booting[0])
+        dp.request_devices(["d0", "d2"])  # the next grant reuses that process
+        dp.apply(wait=True)
+        assert dp.worker_pids() == booting and dp.size == 2
+        assert len(set(dp.replica_digests())) == 1
+    finally:
+        trainer.close()
+    assert not _running(booting[0])
