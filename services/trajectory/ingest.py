@@ -24,7 +24,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,14 @@ from services.trajectory.state import (
     progress_to_json,
 )
 from services.trajectory.store import NewCall, StepBatch, TrajectoryStore
-from services.trajectory.tree import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Node, TaskTree
+from services.trajectory.tree import (
+    LOGPROB_DTYPE,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    CallRecord,
+    Node,
+    TaskTree,
+)
 
 log = logging.getLogger("gyre.trajectory")
 
@@ -57,6 +64,8 @@ Rejection = tuple[str, str, str, bytes]  # kind, key, error, payload
 # enough that the stages of consecutive slices overlap, large enough that a commit's round trip is
 # paid for a hundred calls or so.
 SLICE_STEPS = 128
+# Tokens of the latest call of each recent execution kept by StepIngest (4 bytes each): 64 MiB.
+REMEMBERED_TOKENS = 16 * 1024 * 1024
 
 
 def validate_step(step: events_pb2.StepEvent) -> np.ndarray:
@@ -131,18 +140,24 @@ def decode_steps(steps: list[events_pb2.StepEvent], run_id: str) -> tuple[list[D
 
 
 def shared_with_previous_call(
-    tree: TaskTree, execution_id: str, call_seq: int, prompt: np.ndarray
+    tree: TaskTree,
+    execution_id: str,
+    call_seq: int,
+    prompt: np.ndarray,
+    previous_sequence: np.ndarray | None = None,
 ) -> tuple[Node, int] | None:
     """For a full prompt: (end node of the execution's previous call, tokens the prompt shares with it).
 
     Usually the prompt extends the previous call's sequence, so one vectorised comparison replaces
     the walk from the root that compares node by node (one numpy call per node of a deep path).
     The tree built is the same either way: the shared prefix is exactly the path to that node.
+    ``previous_sequence``: that call's whole token sequence if the caller kept it (it is then not
+    rebuilt from the tree's nodes).
     """
     prev = tree.calls.get((execution_id, call_seq - 1))
     if prev is None or not len(prompt):
         return None
-    seq = tree.sequence(prev.end_node)
+    seq = tree.sequence(prev.end_node) if previous_sequence is None else previous_sequence
     m = min(len(seq), len(prompt))
     same = seq[:m] == prompt[:m]
     k = m if bool(same.all()) else int(np.argmin(same))
@@ -167,6 +182,12 @@ class StepIngest:
         self.commits = commits
         self.scorer = scorer
         self.counters = counters
+        # Execution id -> (its latest stored call, that call's whole token sequence), oldest first, at
+        # most REMEMBERED_TOKENS tokens in all: the next full prompt is compared with it directly. An
+        # entry is used only while it is the tree's own record of the previous call (a reload of the
+        # state makes new records), so a stale or evicted entry only costs the rebuild from the tree.
+        self._last_sequences: OrderedDict[str, tuple[CallRecord, np.ndarray]] = OrderedDict()
+        self._remembered_tokens = 0
 
     # ------------------------------------------------------------------ steps
     async def ingest_steps(self, steps: list[events_pb2.StepEvent]) -> trajectory_pb2.IngestSummary:
@@ -262,7 +283,15 @@ class StepIngest:
                 prompt = np.concatenate([head, prompt])
                 known_prefix = (base.end_node, step.prompt_base_len)
             else:
-                known_prefix = shared_with_previous_call(tree, step.execution_id, step.call_seq, prompt)
+                last = self._last_sequences.get(step.execution_id)
+                previous = tree.calls.get((step.execution_id, step.call_seq - 1))
+                known_prefix = shared_with_previous_call(
+                    tree,
+                    step.execution_id,
+                    step.call_seq,
+                    prompt,
+                    last[1] if last is not None and previous is not None and last[0] is previous else None,
+                )
             rec, changes = tree.insert_call(
                 step.execution_id,
                 step.call_seq,
@@ -276,6 +305,7 @@ class StepIngest:
             if rec is None:  # a duplicate the tree found itself
                 summary.num_duplicates += 1
                 continue
+            self._remember(rec, prompt, d.completion)
             for n in changes.created:
                 batch.nodes[n.node_id] = (step.task_id, n)
                 batch.created.add(n.node_id)
@@ -303,6 +333,23 @@ class StepIngest:
                 info.last_step_progress = (step.call_seq, d.progress)
             summary.num_stored += 1
         return batch
+
+    def _remember(self, rec: CallRecord, prompt: np.ndarray, completion: np.ndarray) -> None:
+        """Keep `rec`'s whole sequence as its execution's latest, if it is the latest call seen."""
+        last = self._last_sequences.pop(rec.execution_id, None)
+        if last is not None:
+            self._remembered_tokens -= len(last[1])
+            if last[0].call_seq > rec.call_seq:  # an older call arriving late: keep the newer one
+                rec, seq = last
+            else:
+                seq = np.concatenate([prompt, completion])
+        else:
+            seq = np.concatenate([prompt, completion])
+        self._last_sequences[rec.execution_id] = (rec, seq)
+        self._remembered_tokens += len(seq)
+        while self._remembered_tokens > REMEMBERED_TOKENS and len(self._last_sequences) > 1:
+            _, (_, old) = self._last_sequences.popitem(last=False)
+            self._remembered_tokens -= len(old)
 
     # ------------------------------------------------------------------ executions
     async def ingest_executions(self, events: list[events_pb2.ExecutionEvent]) -> int:

@@ -205,3 +205,44 @@ def test_full_prompts_inserted_from_the_previous_call_build_the_same_tree_as_fro
         other = hinted.calls[key]
         assert np.array_equal(plain.sequence(rec.end_node), hinted.sequence(other.end_node))
         assert rec.prompt_len == other.prompt_len
+
+
+def test_ingest_remembering_each_executions_last_sequence_builds_the_same_tree_in_any_slice_order():
+    """StepIngest compares a full prompt with the previous call's remembered sequence (never rebuilt
+    from the tree); with steps arriving shuffled across several ingest calls, the trees still equal
+    plain insertion from the root, and every call exports exactly."""
+    import random
+    from collections import Counter
+
+    from gyre.v1 import trajectory_pb2
+    from services.trajectory.ingest import StepIngest, decode_steps
+    from services.trajectory.state import TrajectoryState
+    from services.trajectory.synthetic import WorkloadConfig, generate, step_event
+
+    cfg = WorkloadConfig(
+        num_groups=1, group_size=3, task_prompt_tokens=64, num_turns=9, generated_tokens=8,
+        observation_tokens=12, compaction_every=3, summary_tokens=6, retry_fraction=0.4,
+        shared_early_turns=1, seed=5,
+    )  # fmt: skip
+    execs = generate(cfg)
+    plain = TaskTree("t")
+    for ex in execs:
+        for c in ex.calls:
+            plain.insert_call(ex.execution_id, c.call_seq, c.prompt, c.completion, c.logprobs, c.versions)
+    steps = [step_event("r", c) for ex in execs for c in ex.calls]
+    random.Random(3).shuffle(steps)
+    ingest = StepIngest("r", TrajectoryState(), None, None, None, Counter())  # type: ignore[arg-type]
+    for i in range(0, len(steps), 7):
+        decoded, rejected = decode_steps(steps[i : i + 7], "r")
+        assert not rejected
+        ingest._insert(decoded, [], trajectory_pb2.IngestSummary())
+    (tree,) = ingest.state.trees.values()
+    for ex in execs:  # what is remembered is each execution's latest call, token for token
+        rec, seq = ingest._last_sequences[ex.execution_id]
+        assert rec.call_seq == ex.calls[-1].call_seq
+        assert np.array_equal(seq, tree.sequence(rec.end_node))
+    assert tree.num_tokens == plain.num_tokens and len(tree.nodes) == len(plain.nodes)
+    for ex in execs:
+        for got, c in zip(tree.export_execution(ex.execution_id), ex.calls, strict=True):
+            assert np.array_equal(got.prompt_token_ids, c.prompt)
+            assert np.array_equal(got.completion_token_ids, c.completion)
