@@ -45,9 +45,9 @@ class ExecInfo:
     reward: float | None = None
     progress: ProgressSignals = field(default_factory=ProgressSignals)  # from the end event
     last_step_progress: tuple[int, ProgressSignals] | None = None  # (call_seq, progress) of the latest call
-    step_progress: dict[int, ProgressSignals] = field(default_factory=dict)  # call_seq -> progress after it
     num_calls: int | None = None
     ended_unix_s: float | None = None
+    step_progress: dict[int, ProgressSignals] = field(default_factory=dict)  # call_seq -> progress after it
 
 
 @dataclass(slots=True)
