@@ -59,7 +59,7 @@ class ModelConfig(ConfigModel):
     attention_backend: Literal["auto", "dense", "nodes", "flex"] = Field(
         default="auto",
         description="Kernel for tree-masked attention: 'dense' = torch SDPA with a boolean [T,T] mask; "
-        "'nodes' = one SDPA call per tree node over its ancestors' keys (no wasted work, CPU friendly); "
+        "'nodes' = one SDPA call per group of same-shaped tree nodes over their ancestors' keys (no wasted work, CPU friendly); "
         "'flex' = torch flex attention with a block mask (CUDA); 'auto' = flex on CUDA, else nodes for "
         "large trees with few nodes and dense otherwise. All are exact; see docs/model.md.",
     )
