@@ -4,7 +4,7 @@
     .venv/bin/python scripts/gen_simulator_doc.py --from-json F     # re-render without simulating
 
 Every workload (the built-ins and examples/workloads/*.yaml) runs as `gyre sim --workload W --json
---seeds N` would; the sensitivity table reruns `small` (its seed) with each assumed [G] parameter at
+--seeds N` would; the sensitivity table reruns `xlong` (its seed) with each assumed [G] parameter at
 0.5x and 1.5x. `--cache DIR` keeps each workload-seed result so an interrupted run resumes;
 `--partial` renders only what is cached (each workload then says how many seeds it got). The prose
 is scripts/simulator_doc_template.md; every figure in the page is filled in here.
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from services.scheduler.sim.compare import Comparison, SeedComparison, compare, with_seed  # noqa: E402
 from services.scheduler.sim.workload import BUILTIN_WORKLOADS, Workload, builtin, load_workload_file  # noqa: E402
 
-SENSITIVITY_WORKLOAD = "small.yaml"  # seconds per run: 22 runs stay cheap on a 2-core machine
+SENSITIVITY_WORKLOAD = "xlong"  # the headline workload, where Elastic moves devices (about 10 s a comparison)
 PARTIAL_CUTOFF_S = 3600.0  # [G] one hour after a group's first execution ended
 
 # Assumed [G] parameters of the cost model and workload, as (label, path into the workload dump).
@@ -103,13 +103,13 @@ def _task(args: tuple[Path | None, str, Workload]) -> Comparison:
 
 def compute(seeds: int, workers: int, cache: Path | None, partial: bool = False) -> dict[str, Any]:
     """Every figure of the page: per workload the `gyre sim --json --seeds N` object, and the
-    sensitivity ratios of `small` at 0.5x / 1.5x of each assumed parameter. Workload-seed pairs run
+    sensitivity ratios of `xlong` at 0.5x / 1.5x of each assumed parameter. Workload-seed pairs run
     in `workers` processes; each is the same `compare` that `gyre sim` runs."""
     jobs = _workloads()
     tasks = [
         (cache, f"{cmd} seed {w.seed + i}", with_seed(w, w.seed + i)) for cmd, w in jobs for i in range(seeds)
     ]
-    base = load_workload_file(ROOT / "examples" / "workloads" / SENSITIVITY_WORKLOAD)
+    base = builtin(SENSITIVITY_WORKLOAD)
     scaled = [(label, f, _scaled(base, path, f)) for label, path in ASSUMED for f in (0.5, 1.5)]
     sens_tasks = [(cache, "sensitivity reference", base)] + [
         (cache, f"sensitivity {label} x{f}", w) for label, f, w in scaled if w is not None
