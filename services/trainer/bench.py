@@ -184,7 +184,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument(
-        "--steps", type=int, default=5, help="timed steps per variant (median reported, min and max beside)"
+        "--steps",
+        type=int,
+        default=9,
+        help="timed steps per variant (median reported, min and max beside; on a shared machine a "
+        "load spike lands in one or two of them, which the median of nine leaves out)",
     )
     parser.add_argument(
         "--flat-micro-batch",
