@@ -81,7 +81,7 @@ class LearningSettings:
     compact_every: int = 3
     keep_last_turns: int = 2
     max_tokens: int = 1
-    init_std: float = 0.5
+    init_std: float = 0.2  # quickstart: trainer.model.init_std
     seed: int = 0
 
 

@@ -1,10 +1,11 @@
 """The policy-gradient loss over a tree-packed batch, and the numbers that show how learning goes.
 
-Per token t of a path p with importance ratio r_t = exp(logp_t - behaviour_logp_t) and path
-weight w_p = advantage_p * norm_p, the PPO-clipped objective with asymmetric ("clip-higher") bounds is
-    -min(r_t * A_p, clip(r_t, 1 - eps_low, 1 + eps_high) * A_p) * norm_p
-  = w_p * l+(r_t)  if w_p >= 0, with l+(r) = -min(r, clip(r))
-  = w_p * l-(r_t)  if w_p <  0, with l-(r) = -max(r, clip(r)).
+Per token t of a path p with importance ratio r_t = exp(logp_t - behaviour_logp_t) and weight
+w_{p,t} = A_{p,t} * norm_p (A_{p,t}: the advantage of the call of p that generated t), the
+PPO-clipped objective with asymmetric ("clip-higher") bounds is
+    -min(r_t * A_{p,t}, clip(r_t, 1 - eps_low, 1 + eps_high) * A_{p,t}) * norm_p
+  = w_{p,t} * l+(r_t)  if w_{p,t} >= 0, with l+(r) = -min(r, clip(r))
+  = w_{p,t} * l-(r_t)  if w_{p,t} <  0, with l-(r) = -max(r, clip(r)).
 r_t depends only on t's ancestors, so it is the same on every path through t, and summing over
 paths gives  sum_t weight_pos_t * l+(r_t) + weight_neg_t * l-(r_t)
              + kl_coef * kl_weight_t * kl_t - entropy_coef * kl_weight_t * H_t:
@@ -12,8 +13,11 @@ exactly the loss — and gradient — of training each path as its own sample (t
 The importance ratio corrects tokens sampled by older weights (staleness).
 
 The algorithm (why these terms; docs/trainer.md, "The RL algorithm"):
-- GRPO group advantages (services/trajectory/scoring.py) with a token-mean normalisation (the
-  trajectory service's weights): every generated token of every execution counts once.
+- Group-relative advantages with per-call credit assignment (services/trajectory/scoring.py,
+  `trajectory.credit_assignment`: one advantage per execution, per call from the progress each call
+  made, or per call from task-tree node values) with a token-mean normalisation (the trajectory
+  service's weights): every generated token of every execution counts once, with the advantage of
+  the call that generated it. The loss below only sees per-token weights.
 - Clip-higher (DAPO, Yu et al. 2025): `clip_eps_high` > `clip_eps` lets a token whose probability
   is low rise further within one step, while the lower bound still stops a collapse of probable
   tokens; with staleness (ratios != 1) this keeps rare good actions learnable.

@@ -78,6 +78,7 @@ def score_group(
                 for e in eids
             },
             discount=progress_discount,
+            normalise_std=normalise_std,
         )
         call_adv = {e: dict(zip(seqs[e], per_call[e], strict=True)) for e in eids}
     dd = dedup_group(tree, eids, threshold=near_threshold, num_perm=num_perm, shingle_size=shingle_size)

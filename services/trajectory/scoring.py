@@ -264,26 +264,34 @@ def tree_call_advantages(
 
 
 def progress_call_advantages(
-    potentials: dict[str, list[float]], *, discount: float = 0.0
+    potentials: dict[str, list[float]],
+    *,
+    discount: float = 0.0,
+    normalise_std: bool = False,
+    eps: float = 1e-6,
 ) -> dict[str, list[float]]:
     """Per-call advantages from the progress an execution reported after each call.
 
     ``potentials[e]`` = [Phi_0, Phi_1, ..., Phi_n]: the score of e's progress before its first call
     (Phi_0) and after each of its n calls, the last being e's score (final reward or partial).
     Call k earns r_k = Phi_{k+1} - Phi_k (so sum_k r_k = score - Phi_0); with rbar the mean r over
-    every call of the group, its advantage is A_k = sum_{j>=k} discount^(j-k) (r_j - rbar).
+    every call of the group, its advantage is A_k = sum_{j>=k} discount^(j-k) (r_j - rbar) / s,
+    s = 1, or the std of the r's (+ eps) with ``normalise_std``. GRPO with process supervision
+    (Shao et al. 2024); a group whose calls all made the same progress gets exactly 0 everywhere.
+    Units: score units (per std with ``normalise_std``), one list per execution in call order.
     """
     steps = {e: [phi[k + 1] - phi[k] for k in range(len(phi) - 1)] for e, phi in potentials.items()}
     flat = [r for r in itertools.chain.from_iterable(steps.values())]
     if not flat or max(flat) - min(flat) <= ZERO_VARIANCE_SPREAD:
         return {e: [0.0] * len(r) for e, r in steps.items()}
     rbar = sum(flat) / len(flat)
+    scale = math.sqrt(sum((r - rbar) ** 2 for r in flat) / len(flat)) + eps if normalise_std else 1.0
     out: dict[str, list[float]] = {}
     for e, r in steps.items():
         a = [0.0] * len(r)
         acc = 0.0
         for k in range(len(r) - 1, -1, -1):
-            acc = (r[k] - rbar) + discount * acc
+            acc = (r[k] - rbar) / scale + discount * acc
             a[k] = acc
         out[e] = a
     return out

@@ -115,3 +115,11 @@ def test_per_call_advantages_reach_the_tokens_each_call_generated():
     assert weight[(7,)] == pytest.approx((0.5 * norm, 0.0))
     assert weight[(8,)] == pytest.approx((0.0, -0.5 * norm))
     assert weight[(3, 7)] == pytest.approx((0.0, 0.0))  # c's 7: advantage 0
+
+
+def test_progress_credit_divides_by_the_std_of_the_step_rewards_when_asked():
+    pots = {"e1": [0.0, 0.25, 0.5, 0.75, 1.0], "e2": [0.0, 0.25, 0.25, 0.5, 0.5]}
+    # step rewards: six of 0.25 and two of 0: mean 0.1875, std sqrt(0.75 * 0.25) * 0.25 = 0.10825...
+    std = 0.25 * (0.75 * 0.25) ** 0.5
+    adv = progress_call_advantages(pots, normalise_std=True, eps=0.0)
+    assert adv["e2"] == pytest.approx([0.0625 / std, -0.1875 / std, 0.0625 / std, -0.1875 / std])
