@@ -1,16 +1,14 @@
 """Ingest: step events become calls in the task trees; execution events record how executions end.
 
-A batch of steps (one JetStream fetch, or one IngestSteps call) goes through three stages, in
-slices of SLICE_STEPS steps::
+A batch of steps (one JetStream fetch, or one IngestSteps call) goes through three stages::
 
     decode + validate   (worker thread, no shared state)   -> arrays, or a rejection with its reason
     match + insert      (event loop, under the state lock)  -> trees changed in memory, a StepBatch
     commit              (worker thread, CommitQueue)        -> one Postgres transaction, then the ack
 
-The lock is released once a slice is queued for commit, so the next slice (or batch) is decoded and
-matched while this one is written: one database round trip per slice, and the event loop never
-waits on it. ``ingest_steps`` returns only after its own commits, so a JetStream batch is acked
-only once stored.
+The lock is released once the batch is queued for commit, so the next batch is decoded and matched
+while this one is written: one database round trip per batch, and the event loop never waits on it.
+``ingest_steps`` returns only after its own commit, so a JetStream batch is acked only once stored.
 
 Idempotence: a step is keyed by (execution_id, call_seq); one already held is counted as a
 duplicate and changes nothing. A compact step whose base call is not stored yet is counted as
@@ -60,10 +58,6 @@ _ENDINGS = {
 }
 
 Rejection = tuple[str, str, str, bytes]  # kind, key, error, payload
-# Steps per decode -> match -> commit slice of one ingest call (see StepIngest.ingest_steps): small
-# enough that the stages of consecutive slices overlap, large enough that a commit's round trip is
-# paid for a hundred calls or so.
-SLICE_STEPS = 128
 # Tokens of the latest call of each recent execution kept by StepIngest (4 bytes each): 64 MiB.
 REMEMBERED_TOKENS = 16 * 1024 * 1024
 
@@ -191,32 +185,13 @@ class StepIngest:
 
     # ------------------------------------------------------------------ steps
     async def ingest_steps(self, steps: list[events_pb2.StepEvent]) -> trajectory_pb2.IngestSummary:
-        """Store new steps once (committed before this returns); duplicates and invalid ones change no tree.
-
-        The steps go through the stages in slices of SLICE_STEPS (whole executions stay in call
-        order: the steps are sorted by (execution, call) first, so a compact step's base call is in
-        its slice or an earlier one): slice i+1 is decoded and matched while slice i is written.
-        Each slice is its own transaction, queued in order; this returns after the last one, and if
-        any failed it raises (the caller redelivers the lot; what was stored is then a duplicate).
-        """
+        """Store new steps once (committed before this returns); duplicates and invalid ones change no tree."""
         summary = trajectory_pb2.IngestSummary(num_received=len(steps))
-        ordered = sorted(steps, key=lambda st: (st.execution_id, st.call_seq))
-        queued: list[tuple[int, asyncio.Future[None]]] = []
-        for i in range(0, max(len(ordered), 1), SLICE_STEPS):
-            decoded, rejected = await asyncio.to_thread(
-                decode_steps, ordered[i : i + SLICE_STEPS], self.run_id
-            )
-            async with self.commits.lock:
-                batch = self._insert(decoded, rejected, summary)
-                queued.append(self.commits.submit(self.store.commit_steps, batch))
-        failures: list[Exception] = []
-        for gen, fut in queued:  # every one awaited, so none fails unobserved
-            try:
-                await self.commits.wait(gen, fut, lock_held=False)
-            except Exception as exc:
-                failures.append(exc)
-        if failures:
-            raise failures[0]
+        decoded, rejected = await asyncio.to_thread(decode_steps, steps, self.run_id)
+        async with self.commits.lock:
+            batch = self._insert(decoded, rejected, summary)
+            gen, fut = self.commits.submit(self.store.commit_steps, batch)
+        await self.commits.wait(gen, fut, lock_held=False)
         self.counters["steps_received"] += summary.num_received
         self.counters["steps_stored"] += summary.num_stored
         self.counters["steps_duplicate"] += summary.num_duplicates
