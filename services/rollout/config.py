@@ -46,8 +46,14 @@ class RolloutConfig(ConfigModel):
         default_factory=lambda: ModelConfig.model_validate({}),
         description="Model architecture (must match the trainer's).",
     )
-    init_seed: int = Field(
-        0, ge=0, description="Seed of the initial (version 0) weights, shared with the trainer."
+    init_seed: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Seed of the engines' initial (version 0) weights. Unset: the run's `seed`, which is what the "
+            "trainer builds its version 0 from; a different value makes the engines sample the first steps "
+            "from a model the trainer never had (logged as a warning)."
+        ),
     )
     init_weights: str | None = Field(
         None,

@@ -135,6 +135,15 @@ class RolloutService(Service):
         )
         self.http: Any = None
         self.http_port = 0
+        # version 0 must be the trainer's version 0: the trainer seeds it with the run's seed
+        self.init_seed = common.seed if cfg.init_seed is None else cfg.init_seed
+        if self.init_seed != common.seed and cfg.init_weights is None:
+            log.warning(
+                "rollout.init_seed %d differs from the run's seed %d: until the first weights version "
+                "arrives, engines sample from a model the trainer never had",
+                self.init_seed,
+                common.seed,
+            )
 
     # -- engines -----------------------------------------------------------------------------
     def _new_engine(self, device_id: str) -> Engine:
@@ -153,7 +162,7 @@ class RolloutService(Service):
             self.cfg.model,
             torch_device="cpu" if self.cfg.device_kind == "cpu" else f"cuda:{index}",
             max_batch=self.cfg.engine_max_batch,
-            init_seed=self.cfg.init_seed,
+            init_seed=self.init_seed,
             initial_weights=self.swapper.latest,
             init_weights=self.cfg.init_weights,
             pacer=self.pacer,

@@ -103,3 +103,14 @@ def test_lease_decisions_follow_the_handoff_protocol() -> None:
     assert decide(others, me, role, using_since=3) is LeaseAction.FENCED
     # an older step of the handoff that gave it to us (same epoch), redelivered: nothing to do
     assert decide(released, me, role, using_since=3) is LeaseAction.NONE
+
+
+def test_the_engines_initial_weights_follow_the_runs_seed_as_the_trainers_do(tmp_path) -> None:
+    from gyre.config import CommonConfig
+    from services.rollout.config import RolloutConfig
+    from services.rollout.service import RolloutService
+
+    common = CommonConfig.model_validate({"run_id": "s", "run_dir": str(tmp_path), "seed": 5})
+    assert RolloutService(common, RolloutConfig.model_validate({})).init_seed == 5
+    pinned = RolloutConfig.model_validate({"init_seed": 2})  # explicit: kept (and warned about)
+    assert RolloutService(common, pinned).init_seed == 2
