@@ -153,7 +153,7 @@ class BatchReadyEvent(_message.Message):
     def __init__(self, event_id: _Optional[str] = ..., run_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., num_trees: _Optional[int] = ..., num_paths: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_flat_tokens: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., num_partial_paths: _Optional[int] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
 
 class GroupScoredEvent(_message.Message):
-    __slots__ = ("event_id", "run_id", "task_id", "group_id", "num_paths", "num_exact_merged", "num_near_duplicates", "reward_mean", "reward_std", "num_partial", "created_unix_s")
+    __slots__ = ("event_id", "run_id", "task_id", "group_id", "num_paths", "num_exact_merged", "num_near_duplicates", "reward_mean", "reward_std", "num_partial", "created_unix_s", "advantage_abs_max")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class GroupScoredEvent(_message.Message):
     REWARD_STD_FIELD_NUMBER: _ClassVar[int]
     NUM_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_ABS_MAX_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     run_id: str
     task_id: str
@@ -176,7 +177,8 @@ class GroupScoredEvent(_message.Message):
     reward_std: float
     num_partial: int
     created_unix_s: float
-    def __init__(self, event_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., num_paths: _Optional[int] = ..., num_exact_merged: _Optional[int] = ..., num_near_duplicates: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_partial: _Optional[int] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
+    advantage_abs_max: float
+    def __init__(self, event_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., num_paths: _Optional[int] = ..., num_exact_merged: _Optional[int] = ..., num_near_duplicates: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_partial: _Optional[int] = ..., created_unix_s: _Optional[float] = ..., advantage_abs_max: _Optional[float] = ...) -> None: ...
 
 class WeightsPublishedEvent(_message.Message):
     __slots__ = ("event_id", "run_id", "weights", "metrics")

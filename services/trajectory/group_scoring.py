@@ -157,6 +157,7 @@ class GroupScoring:
             reward_std=res.stats.std,
             num_partial=sum(1 for s in res.scores.values() if s.partial),
             created_unix_s=now,
+            advantage_abs_max=res.advantage_abs_max,
         )
 
 

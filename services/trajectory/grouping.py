@@ -34,7 +34,14 @@ class GroupResult:
     advantages: dict[str, float]
     stats: GroupStats
     dedup: GroupDedup
-    call_advantages: dict[str, dict[int, float]] = field(default_factory=dict)  # credit "tree" only
+    call_advantages: dict[str, dict[int, float]] = field(default_factory=dict)  # per-call credit only
+
+    @property
+    def advantage_abs_max(self) -> float:
+        """Largest |advantage| any generated token of the group is trained with (0: the group
+        teaches nothing). Under per-call credit a group whose final rewards agree can still teach."""
+        trained = [a for calls in self.call_advantages.values() for a in calls.values()]
+        return max((abs(a) for a in trained or list(self.advantages.values())), default=0.0)
 
 
 def score_group(

@@ -173,3 +173,11 @@ def test_the_progress_panel_shows_health_and_warns_once_when_the_run_stalls(
     assert "entropy" in out and "oracle 1.000" in out and "zero-var groups" in out
     assert out.count("WARNING learning stalled") == (1 if collapse else 0)
     assert (tracker.stall() is not None) is collapse
+
+
+def test_a_group_teaches_nothing_only_when_its_rewards_agree_and_every_advantage_is_zero() -> None:
+    from gyre.app.job.analysis import teaches_nothing
+
+    assert teaches_nothing({})  # proto3 JSON omits zeros: equal rewards, no advantage
+    assert not teaches_nothing({"reward_std": 0.2, "advantage_abs_max": 0.1})
+    assert not teaches_nothing({"advantage_abs_max": 0.25})  # equal rewards, per-call signal

@@ -123,3 +123,19 @@ def test_progress_credit_divides_by_the_std_of_the_step_rewards_when_asked():
     std = 0.25 * (0.75 * 0.25) ** 0.5
     adv = progress_call_advantages(pots, normalise_std=True, eps=0.0)
     assert adv["e2"] == pytest.approx([0.0625 / std, -0.1875 / std, 0.0625 / std, -0.1875 / std])
+
+
+def test_a_group_with_equal_rewards_still_teaches_under_progress_credit_and_says_so():
+    # a and b both end at reward 0.5, but a made its progress in its first call and b in its
+    # second: their final rewards agree (reward_std 0) while their calls' advantages do not.
+    tree = hand_tree()
+    outcomes = {e: Outcome(e, Ending.FINISHED, 0.5, ProgressSignals()) for e in ("a", "b")}
+    progress = {"a": {0: ProgressSignals(1, 2)}, "b": {0: ProgressSignals(0, 2)}}
+    kwargs = {"normalise_std": False, "near_threshold": 1.0}
+    per_call = score_group(
+        tree, "g", outcomes, ProgressScorer(), credit="progress", step_progress=progress, **kwargs
+    )
+    assert per_call.stats.std == 0.0
+    assert per_call.advantage_abs_max == pytest.approx(0.25)  # a's call 0 made 0.5, the mean call 0.25
+    per_execution = score_group(tree, "g", outcomes, ProgressScorer(), credit="execution", **kwargs)
+    assert per_execution.advantage_abs_max == 0.0

@@ -21,8 +21,8 @@ entirely above 0 — the improvement is larger than the sampling noise of both w
 
 Learning health, per step: the trainer's `entropy` (nats, of generated tokens), `kl_behaviour`
 (KL from the behaviour policy) and `clip_fraction` (from the weights event's metrics, see
-services/trainer/loss.py); the fraction of scored groups whose rewards all agree (zero variance:
-every advantage is 0, the group teaches nothing); the oracle's reward on the same tasks (the
+services/trainer/loss.py); the fraction of scored groups that teach nothing (zero variance: their
+rewards all agree and every advantage is 0, `teaches_nothing`); the oracle's reward on the same tasks (the
 environment's `progress.extra["oracle_reward"]`, when it reports one).
 
 Stall (the rule, `detect_stall`): over a sliding window of STALL_WINDOW_STEPS steps, at least
@@ -48,12 +48,24 @@ _TERMINAL_KINDS = {"KIND_FINISHED", "KIND_TRUNCATED", "KIND_FAILED"}
 CONFIDENCE = 0.95
 NUM_BOOTSTRAP = 5000
 ZERO_VARIANCE_STD = 1e-9  # a group whose reward_std is at most this has zero variance
+
+
+def teaches_nothing(scored: dict[str, Any]) -> bool:
+    """A GroupScoredEvent (proto3 JSON: zeros omitted) whose rewards all agree and whose tokens are
+    all trained with advantage 0. Under per-call credit a group with equal final rewards can still
+    teach (its calls' advantages differ), so reward_std alone would overstate silent groups."""
+    return (
+        _f(scored.get("reward_std")) <= ZERO_VARIANCE_STD
+        and _f(scored.get("advantage_abs_max")) <= ZERO_VARIANCE_STD
+    )
+
+
 STALL_WINDOW_STEPS = 10
 STALL_ZERO_VARIANCE = 0.5
 STALL_REWARD_FRACTION = 0.9
 STALL_RULE = (
     f"stalled iff, over {STALL_WINDOW_STEPS} consecutive trainer steps, at least {STALL_ZERO_VARIANCE:.0%} of "
-    f"the scored groups have zero reward variance (no advantage, no learning signal) while the mean reward "
+    f"the scored groups have zero variance (equal rewards, every advantage 0: no learning signal) while the mean reward "
     f"is below {STALL_REWARD_FRACTION:.0%} of the oracle's"
 )
 LEARNED_RULE = (
@@ -108,7 +120,7 @@ class StepRow:
     batch_tokens: int = 0
     batch_flat_tokens: int = 0
     trainer_metrics: dict[str, float] = field(default_factory=dict)
-    num_zero_variance_groups: int = 0  # scored groups whose reward_std is 0 (every advantage 0)
+    num_zero_variance_groups: int = 0  # scored groups with equal rewards and every advantage 0
     oracle_samples: list[float] = field(default_factory=list)  # oracle_reward of executions ended here
 
     @property
@@ -166,7 +178,7 @@ class StallWarning:
         )
         return (
             f"WARNING learning stalled in steps {self.first_step}-{self.last_step}: "
-            f"{self.zero_variance_fraction:.0%} of groups had zero reward variance (no learning signal) "
+            f"{self.zero_variance_fraction:.0%} of groups had zero variance (no learning signal) "
             f"while the reward was {self.reward:.3f}, below {oracle}; {advice}"
         )
 
@@ -465,7 +477,7 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
         row.num_paths += int(_f(ev.get("num_paths")))
         row.num_exact_merged += int(_f(ev.get("num_exact_merged")))
         row.num_near_duplicates += int(_f(ev.get("num_near_duplicates")))
-        row.num_zero_variance_groups += _f(ev.get("reward_std")) <= ZERO_VARIANCE_STD  # proto3 JSON omits 0
+        row.num_zero_variance_groups += teaches_nothing(ev)
     for row in steps:
         row.scored_samples = [x for x in row.scored_samples if not math.isnan(x)]
 

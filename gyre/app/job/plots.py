@@ -140,7 +140,7 @@ def plot_learning_health(a: RunAnalysis, path: Path) -> Path:
     ax.bar(xs, [r.zero_variance_fraction for r in a.steps if r.num_groups], color="#C44E52", alpha=0.8)
     ax.axhline(STALL_ZERO_VARIANCE, color="black", lw=0.8, ls=":", label="stall threshold")
     ax.set_ylim(0, 1.05)
-    ax.set_title("groups with zero reward variance (no learning signal)", fontsize=9)
+    ax.set_title("groups with zero variance (no learning signal)", fontsize=9)
     for ax in axes.flat:
         _shade_stall(ax, a)
         ax.grid(alpha=0.3)

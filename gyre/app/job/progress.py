@@ -22,11 +22,11 @@ from rich.table import Table
 
 from gyre.app.job.analysis import (
     ROLE_NAMES,
-    ZERO_VARIANCE_STD,
     StallWarning,
     StepRow,
     detect_stall,
     execution_score,
+    teaches_nothing,
 )
 
 Record = dict[str, Any]
@@ -75,7 +75,7 @@ class RunTracker:
             self.step_rewards.setdefault(self.version, []).append(r)
             counts = self.step_groups.setdefault(self.version, [0, 0])
             counts[0] += 1
-            counts[1] += float(ev.get("reward_std", 0.0)) <= ZERO_VARIANCE_STD  # proto3 JSON omits 0
+            counts[1] += teaches_nothing(ev)
         elif kind == "ExecutionEvent":
             if ev.get("kind") == "KIND_STARTED":
                 self.executions["started"] += 1
@@ -127,7 +127,8 @@ class RunTracker:
         return statistics.fmean(values) if values else None
 
     def zero_variance_fraction(self) -> float | None:
-        """Share of the groups scored in the latest step that had any, whose rewards all agree."""
+        """Share of the groups scored in the latest step that had any that teach nothing (equal
+        rewards, every advantage 0)."""
         for v in sorted(self.step_groups, reverse=True):
             groups, zero = self.step_groups[v]
             if groups:
