@@ -22,7 +22,11 @@ class SchedulerConfig(ConfigModel):
     async_rollout_devices: int | None = Field(
         None,
         ge=1,
-        description="Devices the async policy keeps on rollout (fixed split); unset = half the pool.",
+        description=(
+            "Devices the async policy keeps on rollout (fixed split), and the elastic policy's home split "
+            "(where it returns when no move pays); unset = half the pool. `gyre sim` sweeps it: set it to "
+            "the split the sweep picks for your workload."
+        ),
     )
     num_logical_devices: int = Field(
         0,
