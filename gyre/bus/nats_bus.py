@@ -10,8 +10,12 @@ Guarantees (see gyre/bus/subjects.py for each stream):
 * ``Consumer`` (durable pull consumer, explicit ack): a batch is acked after the handler returned,
   nak'ed with a growing delay when it raised (redelivered, so handlers must be idempotent), and a
   message that does not decode is terminated (never redelivered), copied to the dead-letter stream
-  with its reason and counted (logging is rate-limited). While the handler runs, the batch's ack
-  deadline is extended, so a slow handler does not cause redelivery.
+  with its reason and counted (logging is rate-limited). Until a batch is settled, its ack deadline
+  is extended, so a slow handler does not cause redelivery.
+* Pipelining: the next batch is fetched while the handler works, and a handler may return an
+  awaitable (its commit) instead of waiting for it: the batch is then acked (or redelivered) when
+  that completes, while the next batch is already handed over. Handlers are still called one at a
+  time, in stream order; only the settling overlaps.
 * Identity: ``Nats-Msg-Id`` is ``<subject>/<msg_id>/<payload digest>`` (see message_id_headers): a
   retry of the same event is dropped by the stream, while a message published first under a guessed
   id cannot make the stream drop the real event. A consumer counts (``num_conflicting_ids``) an event
@@ -52,7 +56,9 @@ from gyre.errors import InvalidArgument, PayloadTooLarge, Unavailable
 log = logging.getLogger("gyre.bus")
 
 M = TypeVar("M", bound=Message)
-Handler = Callable[[list[M]], Awaitable[None]]
+# A handler returns None when it is done with a batch, or an awaitable that completes when the batch
+# is done (e.g. its database commit): the consumer then hands it the next batch meanwhile.
+Handler = Callable[[list[M]], Awaitable[Awaitable[None] | None]]
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 # The event's own id, `<subject>/<msg_id>`, without the payload digest (duplicate detection).
@@ -197,6 +203,7 @@ class Consumer(Generic[M]):
         ack_wait_s: float,
         nak_delay_s: float,
         max_nak_delay_s: float,
+        max_unsettled: int = 2,
     ) -> None:
         self._bus = bus
         self._sub = sub
@@ -207,6 +214,7 @@ class Consumer(Generic[M]):
         self._ack_wait_s = ack_wait_s
         self._nak_delay_s = nak_delay_s
         self._max_nak_delay_s = max_nak_delay_s
+        self._max_unsettled = max_unsettled
         self._stopping = asyncio.Event()
         self.stats = ConsumerStats()
         # Event id -> payload digest of the last _SEEN_IDS events (see _note_identity).
@@ -224,19 +232,60 @@ class Consumer(Generic[M]):
         self._bus._consumers.discard(self)
 
     async def _run(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                msgs = await self._sub.fetch(self._batch_size, timeout=1.0)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
-                if self._stopping.is_set():
-                    return
-                log.warning("consumer %s: fetch failed (%s); retrying in 1 s", self.durable, exc)
-                await asyncio.sleep(1.0)
-                continue
-            if msgs:
-                await self._process(msgs)
+        """Fetch, then hand batches to the handler one after another, in fetch order.
+
+        The next batch is fetched while the handler works on the current one (one batch ahead), and
+        a batch whose handler returned an awaitable is settled (acked, or redelivered) when that
+        completes while the next batch is already handed over (at most ``max_unsettled`` batches
+        waiting). Every batch in hand has its ack deadline extended from the moment it arrives until
+        it is settled. On stop, batches already fetched are still handled and settled, never left to
+        time out.
+        """
+        ahead: asyncio.Task[tuple[list[Msg], asyncio.Task[None] | None]] | None = None
+        unsettled: collections.deque[asyncio.Task[None]] = collections.deque()
+        try:
+            while not self._stopping.is_set():
+                fetch = ahead if ahead is not None else asyncio.create_task(self._fetch())
+                ahead = None
+                msgs, keepalive = await fetch
+                if not msgs:
+                    continue
+                if not self._stopping.is_set():
+                    ahead = asyncio.create_task(self._fetch())
+                while len(unsettled) >= self._max_unsettled:
+                    await unsettled.popleft()
+                later = await self._process(msgs, keepalive)
+                if later is not None:
+                    unsettled.append(later)
+            if ahead is not None:
+                msgs, keepalive = await ahead
+                ahead = None
+                if msgs and (later := await self._process(msgs, keepalive)) is not None:
+                    unsettled.append(later)
+            while unsettled:
+                await unsettled.popleft()
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+            for task in unsettled:
+                task.cancel()
+
+    async def _fetch(self) -> tuple[list[Msg], asyncio.Task[None] | None]:
+        """One fetch of up to batch_size messages (empty after 1 s without any), with a task that
+        keeps their ack deadline extended until the caller cancels it."""
+        try:
+            msgs = await self._sub.fetch(self._batch_size, timeout=1.0)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return [], None
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+            if self._stopping.is_set():
+                return [], None
+            log.warning("consumer %s: fetch failed (%s); retrying in 1 s", self.durable, exc)
+            await asyncio.sleep(1.0)
+            return [], None
+        if not msgs:
+            return [], None
+        return msgs, asyncio.create_task(self._extend_deadline(msgs))
 
     def _note_identity(self, msg: Msg) -> None:
         """Count a message whose event id this consumer already saw with another payload digest.
@@ -262,58 +311,90 @@ class Consumer(Generic[M]):
                 event_key,
             )
 
-    async def _process(self, msgs: list[Msg]) -> None:
-        decoded: list[M] = []
-        good: list[Msg] = []
-        for msg in msgs:
-            try:
-                decoded.append(self._msg_type.FromString(msg.data))
-                good.append(msg)
-            except DecodeError as exc:
-                await self._bus.dead_letter(
-                    msg.subject,
-                    msg.data,
-                    self._msg_type.DESCRIPTOR.full_name,
-                    "undecodable",
-                    f"consumer {self.durable}: {len(msg.data)} bytes are not a "
-                    f"{self._msg_type.DESCRIPTOR.full_name}: {exc}",
-                )
-                await msg.term()
-                self.stats.num_terminated += 1
-                CONSUMED.labels(self.durable, "term").inc()
-                continue
-            self._note_identity(msg)
-        if not good:
-            return
-        keepalive = asyncio.create_task(self._extend_deadline(good))
+    async def _process(
+        self, msgs: list[Msg], keepalive: asyncio.Task[None] | None
+    ) -> asyncio.Task[None] | None:
+        """Decode `msgs` and hand the good ones to the handler. Settled here, unless the handler
+        returned an awaitable: then a task is returned that settles the batch when it completes (and
+        owns `keepalive` from then on)."""
         try:
-            await self._handler(decoded)
-        except InvalidArgument:
-            # The handler says some message can never be handled: find which, one at a time.
-            await self._one_by_one(good, decoded)
-            return
-        except Exception:
-            self.stats.num_handler_errors += 1
-            attempt = max(m.metadata.num_delivered for m in good)
-            delay = min(self._nak_delay_s * 2 ** (attempt - 1), self._max_nak_delay_s)
-            log.exception(
-                "consumer %s: handler failed on a batch of %d (delivery %d); redelivering in %.2f s",
-                self.durable,
-                len(good),
-                attempt,
-                delay,
-            )
-            for msg in good:
-                await msg.nak(delay=delay)
-            self.stats.num_naked += len(good)
-            CONSUMED.labels(self.durable, "nak").inc(len(good))
-            return
+            decoded: list[M] = []
+            good: list[Msg] = []
+            for msg in msgs:
+                try:
+                    decoded.append(self._msg_type.FromString(msg.data))
+                    good.append(msg)
+                except DecodeError as exc:
+                    await self._bus.dead_letter(
+                        msg.subject,
+                        msg.data,
+                        self._msg_type.DESCRIPTOR.full_name,
+                        "undecodable",
+                        f"consumer {self.durable}: {len(msg.data)} bytes are not a "
+                        f"{self._msg_type.DESCRIPTOR.full_name}: {exc}",
+                    )
+                    await msg.term()
+                    self.stats.num_terminated += 1
+                    CONSUMED.labels(self.durable, "term").inc()
+                    continue
+                self._note_identity(msg)
+            if not good:
+                return None
+            try:
+                later = await self._handler(decoded)
+            except Exception as exc:
+                await self._refused_or_retry(good, decoded, exc)
+                return None
+            if later is None:
+                await self._ack(good)
+                return None
+            task = asyncio.create_task(self._settle_later(good, decoded, later, keepalive))
+            keepalive = None  # the settling task cancels it
+            return task
         finally:
-            keepalive.cancel()
+            if keepalive is not None:
+                keepalive.cancel()
+
+    async def _settle_later(
+        self, good: list[Msg], decoded: list[M], later: Awaitable[None], keepalive: asyncio.Task[None] | None
+    ) -> None:
+        try:
+            await later
+        except Exception as exc:
+            await self._refused_or_retry(good, decoded, exc)
+        else:
+            await self._ack(good)
+        finally:
+            if keepalive is not None:
+                keepalive.cancel()
+
+    async def _ack(self, good: list[Msg]) -> None:
         for msg in good:
             await msg.ack()
         self.stats.num_acked += len(good)
         CONSUMED.labels(self.durable, "ack").inc(len(good))
+
+    async def _refused_or_retry(self, good: list[Msg], decoded: list[M], exc: Exception) -> None:
+        """The batch's handler raised `exc`: InvalidArgument -> find the refused messages one at a
+        time; anything else -> redeliver the batch after a growing delay."""
+        if isinstance(exc, InvalidArgument):
+            await self._one_by_one(good, decoded)
+            return
+        self.stats.num_handler_errors += 1
+        attempt = max(m.metadata.num_delivered for m in good)
+        delay = min(self._nak_delay_s * 2 ** (attempt - 1), self._max_nak_delay_s)
+        log.error(
+            "consumer %s: handler failed on a batch of %d (delivery %d); redelivering in %.2f s",
+            self.durable,
+            len(good),
+            attempt,
+            delay,
+            exc_info=exc,
+        )
+        for msg in good:
+            await msg.nak(delay=delay)
+        self.stats.num_naked += len(good)
+        CONSUMED.labels(self.durable, "nak").inc(len(good))
 
     async def _one_by_one(self, msgs: list[Msg], decoded: list[M]) -> None:
         """Hand each message of a refused batch to the handler alone (handlers are idempotent, so what
@@ -321,7 +402,9 @@ class Consumer(Generic[M]):
         the handler raises InvalidArgument for it, nak'ed (redelivered) on any other error."""
         for msg, item in zip(msgs, decoded, strict=True):
             try:
-                await self._handler([item])
+                later = await self._handler([item])
+                if later is not None:
+                    await later
             except InvalidArgument as exc:
                 await self._bus.dead_letter(
                     msg.subject,
@@ -654,15 +737,20 @@ class Bus:
         nak_delay_s: float = 0.5,
         max_nak_delay_s: float = 30.0,
         deliver_new: bool = False,
+        max_unsettled: int = 2,
     ) -> Consumer[M]:
         """Start a durable pull consumer named `durable` on `subject_filter` (see the module docstring).
 
         The consumer's position survives restarts (same `durable`). `deliver_new` only matters when
         the durable is first created: start at new messages instead of the stream's beginning.
         A redelivered batch waits `nak_delay_s * 2**(attempt-1)` seconds, at most `max_nak_delay_s`.
+        `max_unsettled`: batches whose handler returned an awaitable that may wait for it at once
+        while the next batch is handed over.
         """
         if batch_size < 1:
             raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
+        if max_unsettled < 1:
+            raise InvalidArgument(f"max_unsettled must be >= 1, got {max_unsettled}")
         spec = subjects.stream_for(subject_filter)
         config = api.ConsumerConfig(
             name=durable,
@@ -697,6 +785,7 @@ class Bus:
             ack_wait_s=ack_wait_s,
             nak_delay_s=nak_delay_s,
             max_nak_delay_s=max_nak_delay_s,
+            max_unsettled=max_unsettled,
         )
         self._consumers.add(consumer)
         return consumer

@@ -99,6 +99,11 @@ class TrajectoryCore:
     async def ingest_steps(self, steps: list[events_pb2.StepEvent]) -> trajectory_pb2.IngestSummary:
         return await self.ingest.ingest_steps(steps)
 
+    async def insert_steps(
+        self, steps: list[events_pb2.StepEvent]
+    ) -> tuple[trajectory_pb2.IngestSummary, asyncio.Future[None]]:
+        return await self.ingest.insert_steps(steps)
+
     async def ingest_executions(self, events: list[events_pb2.ExecutionEvent]) -> int:
         return await self.ingest.ingest_executions(events)
 

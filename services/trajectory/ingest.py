@@ -8,7 +8,9 @@ A batch of steps (one JetStream fetch, or one IngestSteps call) goes through thr
 
 The lock is released once the batch is queued for commit, so the next batch is decoded and matched
 while this one is written: one database round trip per batch, and the event loop never waits on it.
-``ingest_steps`` returns only after its own commit, so a JetStream batch is acked only once stored.
+``ingest_steps`` returns only after its own commit, so a JetStream batch is acked only once stored;
+``insert_steps`` returns once inserted, with a future for the commit (the NATS consumer acks when it
+completes and meanwhile inserts the next batch).
 
 Idempotence: a step is keyed by (execution_id, call_seq); one already held is counted as a
 duplicate and changes nothing. A compact step whose base call is not stored yet is counted as
@@ -186,18 +188,32 @@ class StepIngest:
     # ------------------------------------------------------------------ steps
     async def ingest_steps(self, steps: list[events_pb2.StepEvent]) -> trajectory_pb2.IngestSummary:
         """Store new steps once (committed before this returns); duplicates and invalid ones change no tree."""
+        summary, committed = await self.insert_steps(steps)
+        await committed
+        return summary
+
+    async def insert_steps(
+        self, steps: list[events_pb2.StepEvent]
+    ) -> tuple[trajectory_pb2.IngestSummary, asyncio.Future[None]]:
+        """Insert new steps into the trees now and queue their commit; the returned future completes
+        once they are committed (and counted), or raises if the commit failed (the state is then
+        reloaded from Postgres). Calls insert in call order, so a caller may insert the next batch
+        before this one is committed: commits are applied in the same order (CommitQueue)."""
         summary = trajectory_pb2.IngestSummary(num_received=len(steps))
         decoded, rejected = await asyncio.to_thread(decode_steps, steps, self.run_id)
         async with self.commits.lock:
             batch = self._insert(decoded, rejected, summary)
             gen, fut = self.commits.submit(self.store.commit_steps, batch)
-        await self.commits.wait(gen, fut, lock_held=False)
-        self.counters["steps_received"] += summary.num_received
-        self.counters["steps_stored"] += summary.num_stored
-        self.counters["steps_duplicate"] += summary.num_duplicates
-        self.counters["steps_rejected"] += summary.num_rejected
-        self.counters["steps_waiting_for_base"] += summary.num_waiting
-        return summary
+
+        async def committed() -> None:
+            await self.commits.wait(gen, fut, lock_held=False)
+            self.counters["steps_received"] += summary.num_received
+            self.counters["steps_stored"] += summary.num_stored
+            self.counters["steps_duplicate"] += summary.num_duplicates
+            self.counters["steps_rejected"] += summary.num_rejected
+            self.counters["steps_waiting_for_base"] += summary.num_waiting
+
+        return summary, asyncio.ensure_future(committed())
 
     def _reject(self, summary: trajectory_pb2.IngestSummary, batch: StepBatch, r: Rejection) -> None:
         summary.num_rejected += 1

@@ -193,18 +193,22 @@ class TrajectoryService(Service):
         for ev in msgs:
             self.gate.note_weights(ev.weights.version)
 
-    async def _on_steps(self, msgs: list[events_pb2.StepEvent]) -> None:
+    async def _on_steps(self, msgs: list[events_pb2.StepEvent]) -> asyncio.Future[None] | None:
+        """Insert the batch; the consumer acks it when the returned commit completes, and hands over
+        the next batch meanwhile (inserted in stream order, committed in the same order)."""
         assert self.core is not None and self.gate is not None
         gated = await self.gate.split(msgs)  # refused steps are dead-lettered (and acked) here
-        summary = await self.core.ingest_steps(gated.valid)
+        summary, committed = await self.core.insert_steps(gated.valid)
+        for err in summary.errors[:5]:
+            log.warning("rejected step: %s", err)
+        if not gated.early and not summary.num_waiting:
+            return committed
+        await committed
         if gated.early:
             # Not acked: redelivered after a delay, when the newer weights event has been seen.
             raise Unavailable(f"{len(gated.early)} steps carry a weights version not seen yet; retrying")
-        for err in summary.errors[:5]:
-            log.warning("rejected step: %s", err)
-        if summary.num_waiting:
-            # Not acked: JetStream redelivers the batch; what was stored now is then a duplicate.
-            raise Unavailable(f"{summary.num_waiting} compact steps wait for their base call; retrying")
+        # Not acked: JetStream redelivers the batch; what was stored now is then a duplicate.
+        raise Unavailable(f"{summary.num_waiting} compact steps wait for their base call; retrying")
 
     async def _on_executions(self, msgs: list[events_pb2.ExecutionEvent]) -> None:
         assert self.core is not None and self.gate is not None

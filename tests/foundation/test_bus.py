@@ -90,6 +90,44 @@ async def test_a_batch_whose_handler_fails_is_redelivered_and_processed_once(bus
     assert consumer.stats.num_naked >= 1
 
 
+async def test_a_handler_may_defer_its_commit_the_next_batch_is_handed_over_and_acks_wait_for_it(
+    bus: Bus, run_id: str
+) -> None:
+    for seq in range(3):
+        await bus.publish(subjects.steps(run_id, "t1"), _step(run_id, seq), msg_id=f"{run_id}.e1.{seq}")
+    handed: list[list[str]] = []
+    commits: list[asyncio.Future[None]] = []
+
+    async def insert_then_commit_later(msgs: list[events_pb2.StepEvent]) -> asyncio.Future[None]:
+        handed.append([m.event_id.removeprefix(run_id + ".") for m in msgs])
+        commits.append(asyncio.get_running_loop().create_future())
+        return commits[-1]
+
+    consumer = await bus.consume(
+        subjects.steps(run_id, "*"),
+        events_pb2.StepEvent,
+        insert_then_commit_later,
+        durable=f"{run_id}-defer",
+        batch_size=1,
+        nak_delay_s=0.05,
+        max_unsettled=2,
+    )
+    # Two batches handed over while neither is committed; the third waits for a free slot.
+    await _until(lambda: len(handed) == 2)
+    assert consumer.stats.num_acked == 0
+    commits[0].set_result(None)
+    await _until(lambda: consumer.stats.num_acked == 1 and len(handed) == 3)
+    commits[1].set_exception(RuntimeError("the commit failed on purpose"))
+    await _until(lambda: consumer.stats.num_naked == 1 and len(handed) == 4)
+    commits[2].set_result(None)
+    commits[3].set_result(None)  # the redelivered e1.1
+    await _until(lambda: consumer.stats.num_acked == 3)
+    await consumer.stop()
+    assert handed[:3] == [["e1.0"], ["e1.1"], ["e1.2"]]  # handed over in stream order
+    assert handed[3] == ["e1.1"]  # the failed commit was redelivered, not acked
+    assert consumer.stats.num_handler_errors == 1
+
+
 async def test_a_duplicate_publish_with_the_same_msg_id_is_stored_once(bus: Bus, run_id: str) -> None:
     subject = subjects.steps(run_id, "t1")
     first = await bus.publish(subject, _step(run_id, 0), msg_id=f"{run_id}.e1.0")
