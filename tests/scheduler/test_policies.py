@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from services.scheduler.policies import (
     AsyncPolicy,
     ColocatePolicy,
@@ -189,3 +191,31 @@ def test_make_policy_gives_elastic_the_operators_split_as_its_home() -> None:
         10.0,
         5.0,
     )
+
+
+def test_elastic_moves_devices_both_ways_when_rollout_and_training_alternate() -> None:
+    # The e2e elastic case (tests/e2e/test_devices_move.py): 4 devices, engines of 32, synchronous
+    # admission, every move pays. Each step is a rollout phase (32 live executions, nothing scored)
+    # and a training phase (none live, a batch waiting; a step running or not yet started).
+    policy = ElasticPolicy(role_change_s=0.1, min_step_over_switch=0.0)
+    roles = [Role.ROLLOUT] * 4
+    history: dict[str, list[Role]] = {f"d{i:02d}": [r] for i, r in enumerate(roles)}
+
+    def phase(**kw: Any) -> None:
+        for m in policy.plan(_snap(roles, cap=32, **kw)):
+            roles[int(m.device_id[1:])] = m.to_role
+            history[m.device_id].append(m.to_role)
+
+    phase(live=32)  # batch 0 rolls out on the registered pool; no step yet, nothing optional
+    assert roles == [Role.ROLLOUT] * 4
+    phase(backlog=1, busy=True)  # batch 0 waits, the trainer holds nothing: every idle engine goes
+    assert roles == [Role.TRAIN] * 4
+    for _ in range(2):
+        phase(live=32, queued=32, step_s=1.0)  # the next batch: spread over all but one trainer device
+        assert roles == [Role.TRAIN] + [Role.ROLLOUT] * 3
+        phase(backlog=1, busy=True, step_s=1.0)  # a batch waits: back up to the home share of 2
+        assert roles == [Role.TRAIN, Role.ROLLOUT, Role.ROLLOUT, Role.TRAIN]
+        phase(backlog=1, busy=True, step_s=1.0, work_device_s=0.5)  # its step runs: all of rollout
+        assert roles == [Role.TRAIN] * 4
+    assert history["d03"] == [Role.ROLLOUT, Role.TRAIN, Role.ROLLOUT, Role.TRAIN, Role.ROLLOUT, Role.TRAIN]
+    assert history["d00"] == [Role.ROLLOUT, Role.TRAIN]  # the trainer's last device never leaves it
