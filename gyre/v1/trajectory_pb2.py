@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gyre.v1 import events_pb2 as gyre_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gyre/v1/trajectory.proto\x12\x07gyre.v1\x1a\x14gyre/v1/events.proto\"\x8c\x01\n\rIngestSummary\x12\x14\n\x0cnum_received\x18\x01 \x01(\x03\x12\x12\n\nnum_stored\x18\x02 \x01(\x03\x12\x16\n\x0enum_duplicates\x18\x03 \x01(\x03\x12\x14\n\x0cnum_rejected\x18\x04 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x05 \x03(\t\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x03\"\x8a\x01\n\x10PullBatchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x17\n\x0fresume_batch_id\x18\x04 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x05 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x06 \x01(\x03\"\xc9\x03\n\nBatchChunk\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\x05\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x15\n\ttoken_ids\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0cposition_ids\x18\x05 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0cnode_offsets\x18\x06 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0cnode_lengths\x18\x07 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0cnode_parents\x18\x08 \x03(\x05\x42\x02\x10\x01\x12\x15\n\tloss_mask\x18\t \x03(\x05\x42\x02\x10\x01\x12\x16\n\nweight_pos\x18\n \x03(\x02\x42\x02\x10\x01\x12\x16\n\nweight_neg\x18\x0b \x03(\x02\x42\x02\x10\x01\x12\x15\n\tkl_weight\x18\x0c \x03(\x02\x42\x02\x10\x01\x12\x1e\n\x12\x62\x65haviour_logprobs\x18\r \x03(\x02\x42\x02\x10\x01\x12\x1b\n\x0fpolicy_versions\x18\x0e \x03(\x03\x42\x02\x10\x01\x12\x11\n\tnum_paths\x18\x0f \x01(\x05\x12\x17\n\x0fnum_flat_tokens\x18\x10 \x01(\x03\x12\x11\n\tgroup_ids\x18\x11 \x03(\t\x12\x12\n\nreward_sum\x18\x12 \x01(\x01\x12\x19\n\x11num_partial_paths\x18\x13 \x01(\x05\"Q\n\x0f\x41\x63kBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12\x1a\n\x12trained_at_version\x18\x03 \x01(\x03\"\x12\n\x10\x41\x63kBatchResponse\".\n\x16\x45xportExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\"\xb4\x01\n\x0c\x45xportedCall\x12\x10\n\x08\x63\x61ll_seq\x18\x01 \x01(\x05\x12\x1c\n\x10prompt_token_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12 \n\x14\x63ompletion_token_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x1f\n\x13\x63ompletion_logprobs\x18\x04 \x03(\x02\x42\x02\x10\x01\x12\x1f\n\x13\x63ompletion_versions\x18\x05 \x03(\x03\x42\x02\x10\x01\x12\x10\n\x08\x61gent_id\x18\x06 \x01(\t\"x\n\x17\x45xportExecutionResponse\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12$\n\x05\x63\x61lls\x18\x04 \x03(\x0b\x32\x15.gyre.v1.ExportedCall\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"x\n\x10GetStatsResponse\x12\x35\n\x06values\x18\x01 \x03(\x0b\x32%.gyre.v1.GetStatsResponse.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xe0\x02\n\nTrajectory\x12;\n\x0bIngestSteps\x12\x12.gyre.v1.StepEvent\x1a\x16.gyre.v1.IngestSummary(\x01\x12=\n\tPullBatch\x12\x19.gyre.v1.PullBatchRequest\x1a\x13.gyre.v1.BatchChunk0\x01\x12?\n\x08\x41\x63kBatch\x12\x18.gyre.v1.AckBatchRequest\x1a\x19.gyre.v1.AckBatchResponse\x12T\n\x0f\x45xportExecution\x12\x1f.gyre.v1.ExportExecutionRequest\x1a .gyre.v1.ExportExecutionResponse\x12?\n\x08GetStats\x12\x18.gyre.v1.GetStatsRequest\x1a\x19.gyre.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gyre/v1/trajectory.proto\x12\x07gyre.v1\x1a\x14gyre/v1/events.proto\"\x8c\x01\n\rIngestSummary\x12\x14\n\x0cnum_received\x18\x01 \x01(\x03\x12\x12\n\nnum_stored\x18\x02 \x01(\x03\x12\x16\n\x0enum_duplicates\x18\x03 \x01(\x03\x12\x14\n\x0cnum_rejected\x18\x04 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x05 \x03(\t\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x03\"\xb4\x01\n\x10PullBatchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x17\n\x0fresume_batch_id\x18\x04 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x05 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x06 \x01(\x03\x12\x13\n\x0bstream_part\x18\x07 \x01(\x08\x12\x13\n\x0bstep_tokens\x18\x08 \x01(\x03\"\xdd\x03\n\nBatchChunk\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\x05\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x15\n\ttoken_ids\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0cposition_ids\x18\x05 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0cnode_offsets\x18\x06 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0cnode_lengths\x18\x07 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0cnode_parents\x18\x08 \x03(\x05\x42\x02\x10\x01\x12\x15\n\tloss_mask\x18\t \x03(\x05\x42\x02\x10\x01\x12\x16\n\nweight_pos\x18\n \x03(\x02\x42\x02\x10\x01\x12\x16\n\nweight_neg\x18\x0b \x03(\x02\x42\x02\x10\x01\x12\x15\n\tkl_weight\x18\x0c \x03(\x02\x42\x02\x10\x01\x12\x1e\n\x12\x62\x65haviour_logprobs\x18\r \x03(\x02\x42\x02\x10\x01\x12\x1b\n\x0fpolicy_versions\x18\x0e \x03(\x03\x42\x02\x10\x01\x12\x11\n\tnum_paths\x18\x0f \x01(\x05\x12\x17\n\x0fnum_flat_tokens\x18\x10 \x01(\x03\x12\x11\n\tgroup_ids\x18\x11 \x03(\t\x12\x12\n\nreward_sum\x18\x12 \x01(\x01\x12\x19\n\x11num_partial_paths\x18\x13 \x01(\x05\x12\x12\n\nnormaliser\x18\x14 \x01(\x01\"Q\n\x0f\x41\x63kBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12\x1a\n\x12trained_at_version\x18\x03 \x01(\x03\"\x12\n\x10\x41\x63kBatchResponse\".\n\x16\x45xportExecutionRequest\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\"\xb4\x01\n\x0c\x45xportedCall\x12\x10\n\x08\x63\x61ll_seq\x18\x01 \x01(\x05\x12\x1c\n\x10prompt_token_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12 \n\x14\x63ompletion_token_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x1f\n\x13\x63ompletion_logprobs\x18\x04 \x03(\x02\x42\x02\x10\x01\x12\x1f\n\x13\x63ompletion_versions\x18\x05 \x03(\x03\x42\x02\x10\x01\x12\x10\n\x08\x61gent_id\x18\x06 \x01(\t\"x\n\x17\x45xportExecutionResponse\x12\x14\n\x0c\x65xecution_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12$\n\x05\x63\x61lls\x18\x04 \x03(\x0b\x32\x15.gyre.v1.ExportedCall\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"x\n\x10GetStatsResponse\x12\x35\n\x06values\x18\x01 \x03(\x0b\x32%.gyre.v1.GetStatsResponse.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xe0\x02\n\nTrajectory\x12;\n\x0bIngestSteps\x12\x12.gyre.v1.StepEvent\x1a\x16.gyre.v1.IngestSummary(\x01\x12=\n\tPullBatch\x12\x19.gyre.v1.PullBatchRequest\x1a\x13.gyre.v1.BatchChunk0\x01\x12?\n\x08\x41\x63kBatch\x12\x18.gyre.v1.AckBatchRequest\x1a\x19.gyre.v1.AckBatchResponse\x12T\n\x0f\x45xportExecution\x12\x1f.gyre.v1.ExportExecutionRequest\x1a .gyre.v1.ExportExecutionResponse\x12?\n\x08GetStats\x12\x18.gyre.v1.GetStatsRequest\x1a\x19.gyre.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -67,25 +67,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INGESTSUMMARY']._serialized_start=60
   _globals['_INGESTSUMMARY']._serialized_end=200
   _globals['_PULLBATCHREQUEST']._serialized_start=203
-  _globals['_PULLBATCHREQUEST']._serialized_end=341
-  _globals['_BATCHCHUNK']._serialized_start=344
-  _globals['_BATCHCHUNK']._serialized_end=801
-  _globals['_ACKBATCHREQUEST']._serialized_start=803
-  _globals['_ACKBATCHREQUEST']._serialized_end=884
-  _globals['_ACKBATCHRESPONSE']._serialized_start=886
-  _globals['_ACKBATCHRESPONSE']._serialized_end=904
-  _globals['_EXPORTEXECUTIONREQUEST']._serialized_start=906
-  _globals['_EXPORTEXECUTIONREQUEST']._serialized_end=952
-  _globals['_EXPORTEDCALL']._serialized_start=955
-  _globals['_EXPORTEDCALL']._serialized_end=1135
-  _globals['_EXPORTEXECUTIONRESPONSE']._serialized_start=1137
-  _globals['_EXPORTEXECUTIONRESPONSE']._serialized_end=1257
-  _globals['_GETSTATSREQUEST']._serialized_start=1259
-  _globals['_GETSTATSREQUEST']._serialized_end=1292
-  _globals['_GETSTATSRESPONSE']._serialized_start=1294
-  _globals['_GETSTATSRESPONSE']._serialized_end=1414
-  _globals['_GETSTATSRESPONSE_VALUESENTRY']._serialized_start=1369
-  _globals['_GETSTATSRESPONSE_VALUESENTRY']._serialized_end=1414
-  _globals['_TRAJECTORY']._serialized_start=1417
-  _globals['_TRAJECTORY']._serialized_end=1769
+  _globals['_PULLBATCHREQUEST']._serialized_end=383
+  _globals['_BATCHCHUNK']._serialized_start=386
+  _globals['_BATCHCHUNK']._serialized_end=863
+  _globals['_ACKBATCHREQUEST']._serialized_start=865
+  _globals['_ACKBATCHREQUEST']._serialized_end=946
+  _globals['_ACKBATCHRESPONSE']._serialized_start=948
+  _globals['_ACKBATCHRESPONSE']._serialized_end=966
+  _globals['_EXPORTEXECUTIONREQUEST']._serialized_start=968
+  _globals['_EXPORTEXECUTIONREQUEST']._serialized_end=1014
+  _globals['_EXPORTEDCALL']._serialized_start=1017
+  _globals['_EXPORTEDCALL']._serialized_end=1197
+  _globals['_EXPORTEXECUTIONRESPONSE']._serialized_start=1199
+  _globals['_EXPORTEXECUTIONRESPONSE']._serialized_end=1319
+  _globals['_GETSTATSREQUEST']._serialized_start=1321
+  _globals['_GETSTATSREQUEST']._serialized_end=1354
+  _globals['_GETSTATSRESPONSE']._serialized_start=1356
+  _globals['_GETSTATSRESPONSE']._serialized_end=1476
+  _globals['_GETSTATSRESPONSE_VALUESENTRY']._serialized_start=1431
+  _globals['_GETSTATSRESPONSE_VALUESENTRY']._serialized_end=1476
+  _globals['_TRAJECTORY']._serialized_start=1479
+  _globals['_TRAJECTORY']._serialized_end=1831
 # @@protoc_insertion_point(module_scope)

@@ -24,23 +24,27 @@ class IngestSummary(_message.Message):
     def __init__(self, num_received: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_rejected: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., num_waiting: _Optional[int] = ...) -> None: ...
 
 class PullBatchRequest(_message.Message):
-    __slots__ = ("run_id", "max_tokens", "wait_s", "resume_batch_id", "consumer", "current_version")
+    __slots__ = ("run_id", "max_tokens", "wait_s", "resume_batch_id", "consumer", "current_version", "stream_part", "step_tokens")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     RESUME_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_PART_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     max_tokens: int
     wait_s: float
     resume_batch_id: str
     consumer: str
     current_version: int
-    def __init__(self, run_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., wait_s: _Optional[float] = ..., resume_batch_id: _Optional[str] = ..., consumer: _Optional[str] = ..., current_version: _Optional[int] = ...) -> None: ...
+    stream_part: bool
+    step_tokens: int
+    def __init__(self, run_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., wait_s: _Optional[float] = ..., resume_batch_id: _Optional[str] = ..., consumer: _Optional[str] = ..., current_version: _Optional[int] = ..., stream_part: _Optional[bool] = ..., step_tokens: _Optional[int] = ...) -> None: ...
 
 class BatchChunk(_message.Message):
-    __slots__ = ("batch_id", "chunk_index", "last", "token_ids", "position_ids", "node_offsets", "node_lengths", "node_parents", "loss_mask", "weight_pos", "weight_neg", "kl_weight", "behaviour_logprobs", "policy_versions", "num_paths", "num_flat_tokens", "group_ids", "reward_sum", "num_partial_paths")
+    __slots__ = ("batch_id", "chunk_index", "last", "token_ids", "position_ids", "node_offsets", "node_lengths", "node_parents", "loss_mask", "weight_pos", "weight_neg", "kl_weight", "behaviour_logprobs", "policy_versions", "num_paths", "num_flat_tokens", "group_ids", "reward_sum", "num_partial_paths", "normaliser")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +64,7 @@ class BatchChunk(_message.Message):
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     REWARD_SUM_FIELD_NUMBER: _ClassVar[int]
     NUM_PARTIAL_PATHS_FIELD_NUMBER: _ClassVar[int]
+    NORMALISER_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     chunk_index: int
     last: bool
@@ -79,7 +84,8 @@ class BatchChunk(_message.Message):
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     reward_sum: float
     num_partial_paths: int
-    def __init__(self, batch_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., position_ids: _Optional[_Iterable[int]] = ..., node_offsets: _Optional[_Iterable[int]] = ..., node_lengths: _Optional[_Iterable[int]] = ..., node_parents: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., weight_pos: _Optional[_Iterable[float]] = ..., weight_neg: _Optional[_Iterable[float]] = ..., kl_weight: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., num_paths: _Optional[int] = ..., num_flat_tokens: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., reward_sum: _Optional[float] = ..., num_partial_paths: _Optional[int] = ...) -> None: ...
+    normaliser: float
+    def __init__(self, batch_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., position_ids: _Optional[_Iterable[int]] = ..., node_offsets: _Optional[_Iterable[int]] = ..., node_lengths: _Optional[_Iterable[int]] = ..., node_parents: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., weight_pos: _Optional[_Iterable[float]] = ..., weight_neg: _Optional[_Iterable[float]] = ..., kl_weight: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., num_paths: _Optional[int] = ..., num_flat_tokens: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., reward_sum: _Optional[float] = ..., num_partial_paths: _Optional[int] = ..., normaliser: _Optional[float] = ...) -> None: ...
 
 class AckBatchRequest(_message.Message):
     __slots__ = ("batch_id", "consumer", "trained_at_version")

@@ -49,6 +49,8 @@ class PackedBatch:
     num_flat_tokens: int = 0
     reward_sum: float = 0.0
     group_ids: list[str] = field(default_factory=list)
+    # The trajectory service's normaliser of the weights (BatchChunk.normaliser); 0 = not recorded.
+    normaliser: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +62,15 @@ class PackedBatch:
         for name in _PER_TOKEN:
             t = getattr(self, name)
             out[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        return PackedBatch(**out)
+
+    def scaled(self, factor: float) -> PackedBatch:
+        """The same batch with weight_pos, weight_neg and kl_weight multiplied by `factor` (in their
+        dtype: convert first with `to` for precision). The loss is linear in these weights, so its
+        value and gradient scale by `factor` too."""
+        out = dict(self.__dict__)
+        for name in ("weight_pos", "weight_neg", "kl_weight"):
+            out[name] = getattr(self, name) * factor
         return PackedBatch(**out)
 
     def tree_ranges(self) -> list[tuple[int, int]]:
@@ -129,9 +140,15 @@ def from_chunks(chunks: Sequence[trajectory_pb2.BatchChunk]) -> PackedBatch:
     num_paths = num_flat = 0
     reward = 0.0
     groups: list[str] = []
+    normaliser = chunks[0].normaliser
     for c in chunks:
         if c.batch_id != batch_id:
             raise InvalidArgument(f"chunk of batch {c.batch_id!r} inside batch {batch_id!r}")
+        if c.normaliser != normaliser or not (math.isfinite(normaliser) and normaliser >= 0):
+            raise InvalidArgument(
+                f"batch {batch_id} chunk {c.chunk_index}: normaliser {c.normaliser} (chunk 0 has {normaliser}; "
+                "it must be one finite value >= 0 per batch)"
+            )
         n = len(c.token_ids)
         for name in _PER_TOKEN:
             arr = list(getattr(c, name))
@@ -171,6 +188,7 @@ def from_chunks(chunks: Sequence[trajectory_pb2.BatchChunk]) -> PackedBatch:
         num_flat_tokens=num_flat,
         reward_sum=reward,
         group_ids=groups,
+        normaliser=normaliser,
     )
 
 
@@ -195,4 +213,5 @@ def to_chunk(batch: PackedBatch, chunk_index: int = 0, last: bool = True) -> tra
         num_flat_tokens=batch.num_flat_tokens,
         reward_sum=batch.reward_sum,
         group_ids=batch.group_ids,
+        normaliser=batch.normaliser,
     )

@@ -104,3 +104,15 @@ class TrainerConfig(ConfigModel):
     dtype: str = Field(
         default="float32", pattern=r"^(float32|bfloat16|float64)$", description="Parameter dtype."
     )
+    streaming: bool = Field(
+        default=False,
+        description="Stream each step: train it in parts (>= one scored group each, whole trees) pulled as "
+        "groups are scored, up to batch_max_tokens, instead of pulling the whole batch first; the parts "
+        "are re-normalised so the step equals one batch of the same groups (docs/trainer.md, 'Streaming').",
+    )
+    stream_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="Streaming: how long a step waits for its next part (a newly scored group that fits) "
+        "before it takes its optimizer step (s); the wait runs while the previous part trains.",
+    )

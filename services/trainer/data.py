@@ -44,6 +44,19 @@ class BatchSource(Protocol):
     async def ack(self, batch_id: str, version: int) -> None: ...
 
 
+class PartSource(BatchSource, Protocol):
+    """A source that can also hand out a step in parts (trainer.streaming)."""
+
+    async def pull_part(
+        self, current_version: int, max_tokens: int, step_tokens: int, wait_s: float
+    ) -> PackedBatch | None:
+        """One part of a streamed step: a batch of whole trees of at least one scored group within
+        `max_tokens`, packed without waiting for a full batch; `step_tokens` (> 0 after the step's
+        first part) makes the budget strict. None when nothing came within `wait_s`, or at once
+        when the step is full (PullBatchRequest.step_tokens)."""
+        ...
+
+
 def check_trainable(batch: PackedBatch, vocab_size: int | None, current_version: int | None) -> None:
     """InvalidArgument naming the first reason `batch` cannot be trained (module docstring)."""
     where = f"batch {batch.batch_id}"
@@ -127,6 +140,25 @@ class TrajectoryBatchSource:
             consumer=self.consumer,
             current_version=current_version,
         )
+        return await self._pull(req)
+
+    async def pull_part(
+        self, current_version: int, max_tokens: int, step_tokens: int, wait_s: float
+    ) -> PackedBatch | None:
+        """One part of a streamed step (PartSource.pull_part); checked and quarantined like a batch."""
+        req = trajectory_pb2.PullBatchRequest(
+            run_id=self.run_id,
+            max_tokens=max_tokens,
+            wait_s=wait_s,
+            consumer=self.consumer,
+            current_version=current_version,
+            stream_part=True,
+            step_tokens=step_tokens,
+        )
+        return await self._pull(req)
+
+    async def _pull(self, req: trajectory_pb2.PullBatchRequest) -> PackedBatch | None:
+        resume_batch_id, current_version = req.resume_batch_id, req.current_version
         # The trajectory service may be restarting (supervised): the same request is retried with
         # backoff for up to UNAVAILABLE_RETRY_S before the error takes the trainer down.
         deadline, delay_s = time.monotonic() + UNAVAILABLE_RETRY_S, 0.5

@@ -1,22 +1,33 @@
-"""The trainer's step loop: micro-batches, data parallelism over the TRAIN devices held.
+"""The trainer's step loop: micro-batches, streamed parts, data parallelism over the TRAIN devices held.
 
     restore (checkpoint + journal) -> ack what the checkpoint covers
-    loop:  [boundary] pull batch (replayed ids first) -> journal it
-           for each micro-batch (whole trees, <= micro_batch_tokens):
-               [boundary] -> shard over the ranks -> backward (gradients accumulate) -> all-reduce
+    loop:  [boundary] pull the step's batch (replayed ids first) -> journal it
+           for each part of the step (one part: the batch; trainer.streaming: parts as groups are scored):
+               streaming: start pulling the next part (budget left, strict) -> journal it when it comes
+               for each micro-batch of the part (whole trees, <= micro_batch_tokens):
+                   [boundary] -> shard over the ranks -> backward (gradients accumulate) -> all-reduce
            clip + optimizer step on every rank -> publish weight version -> every N steps: checkpoint
     [boundary] = the data-parallel group follows the devices held (services.trainer.elastic):
                  ranks leave or join here, and with no device held the loop waits here.
 
-The pulled batch is cut into micro-batches; a micro-batch is not streamed from the trajectory
-service as its groups are scored (the whole batch is pulled first). Devices lent or taken back
-mid-step are used or given up at the next micro-batch boundary, and the step is exact across the
-resize (elastic.py). Standalone (no scheduler: `devices` never set) the loop trains on one rank.
+Without streaming (the default) the whole batch is pulled first and then cut into micro-batches.
+With `trainer.streaming` a step starts from its first *part* — a batch of at least one scored
+group that the trajectory service packs as soon as it is scored (PullBatchRequest.stream_part) —
+and, while a part trains, pulls the next one within what is left of `batch_max_tokens`; the step
+takes its optimizer step when the budget is full (the trajectory service says so at once) or no
+part came within `stream_wait_s`. Each part is a batch of the trajectory service: journaled when
+pulled, recorded as trained with its step, acked once a checkpoint covers it — so exactly-once and
+crash recovery are those of batches. `StepNormaliser` re-normalises the parts so that the step's
+loss and gradient equal those of one batch of the same groups. Devices lent or taken back mid-step
+are used or given up at the next micro-batch boundary, and the step is exact across the resize
+(elastic.py; tests/trainer/test_streaming.py checks both together in float64). Standalone (no
+scheduler: `devices` never set) the loop trains on one rank.
 
 Waits on: the devices (none held: no pull, no training), PullBatch (up to `pull_wait_s` when no
-scored groups are ready — back-pressure from the trajectory service), the weights event's
-JetStream ack. Guarantee: the model in the newest checkpoint has trained every acked batch
-exactly once (see checkpoint.py).
+scored groups are ready — back-pressure from the trajectory service; streaming: up to
+`stream_wait_s` for a next part, overlapped with training), the weights event's JetStream ack.
+Guarantee: the model in the newest checkpoint has trained every acked batch exactly once (see
+checkpoint.py).
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from gyre.v1 import common_pb2
 from services.trainer.batch import PackedBatch
 from services.trainer.checkpoint import CheckpointStore, Journal, TrainState
 from services.trainer.config import TrainerConfig
-from services.trainer.data import BatchSource
+from services.trainer.data import BatchSource, PartSource
 from services.trainer.elastic import ElasticGroup, ReplicaSpec, combine_metrics
 from services.trainer.loss import LossSettings, tree_loss
 
@@ -125,7 +136,8 @@ class Trainer:
         self.looping = False  # run() is active (it applies device changes at its boundaries)
         self.boundary_hooks: list[Callable[[], Awaitable[None]]] = []  # awaited at every boundary
         self.step_in_progress = False
-        self.micro_left = 0  # micro-batches of the current step not trained yet
+        self.micro_left = 0  # micro-batches of the current part (the whole batch unstreamed) not trained yet
+        self.step_parts = 0  # parts of the current step begun so far (1 without streaming)
         self.micro_device_s = 0.0  # measured device-seconds of the last micro-batch
         self.last_metrics: dict[str, float] = {}
         self.last_batch_groups = 0  # scored groups in the last batch pulled
@@ -225,65 +237,137 @@ class Trainer:
                 self.boundary.notify_all()  # a release waiting for a boundary applies it itself
 
     async def next_batch(self) -> PackedBatch | None:
+        """The step's batch (streaming: its first part), a replayed one first; journaled."""
         resume = self.replay.pop(0) if self.replay else ""
-        batch = await self.source.pull(self.journal.last_published_version, resume_batch_id=resume)
+        if self.cfg.streaming and not resume:
+            batch = await self.part_source().pull_part(
+                self.journal.last_published_version, self.cfg.batch_max_tokens, 0, self.cfg.pull_wait_s
+            )
+        else:
+            batch = await self.source.pull(self.journal.last_published_version, resume_batch_id=resume)
+        batch = self.journaled(batch)
+        if batch is not None:
+            self.last_batch_groups = len(set(batch.group_ids))
+        return batch
+
+    async def next_part(self, step_tokens: int) -> PackedBatch | None:
+        """The streamed step's next part (journaled): a replayed one first, else one that fits what is
+        left of batch_max_tokens, waiting up to stream_wait_s; None = the step is complete."""
+        while self.replay:
+            part = await self.source.pull(self.journal.last_published_version, self.replay.pop(0))
+            if (part := self.journaled(part)) is not None:
+                return part
+        left = self.cfg.batch_max_tokens - step_tokens
+        if left <= 0:
+            return None
+        part = await self.part_source().pull_part(
+            self.journal.last_published_version, left, step_tokens, self.cfg.stream_wait_s
+        )
+        return self.journaled(part)
+
+    def part_source(self) -> PartSource:
+        if not hasattr(self.source, "pull_part"):
+            raise TypeError(
+                f"trainer.streaming needs a source that hands out parts; {self.source!r} does not"
+            )
+        return self.source  # type: ignore[return-value]
+
+    def journaled(self, batch: PackedBatch | None) -> PackedBatch | None:
+        """`batch`, its id written to the journal before it is trained; None for a redelivered batch
+        this model already trained (it is acked at the next checkpoint)."""
         if batch is None or batch.batch_id in self.state.trained_batch_ids:
-            return None  # a redelivered batch this model already trained: skipped (acked at checkpoint)
-        self.last_batch_groups = len(set(batch.group_ids))
+            return None
         if batch.batch_id not in self.journal.pulled_batch_ids:
             self.journal.pulled_batch_ids.append(batch.batch_id)
             self.store.write_journal(self.journal)
         return batch
 
     async def train_step(self, batch: PackedBatch) -> dict[str, float]:
-        """One optimizer step over `batch`, micro-batch by micro-batch, resizing at each boundary."""
+        """One optimizer step over `batch` — streaming: over `batch` and the parts pulled after it while
+        it trains — micro-batch by micro-batch, resizing at each boundary."""
         start = time.perf_counter()
-        micro_batches = batch.micro_batches(self.cfg.micro_batch_tokens)
-        self.step_in_progress, self.micro_left = True, len(micro_batches)
+        self.step_in_progress = True
         self.optimizer.zero_grad(set_to_none=False)
-        parts: list[dict[str, float]] = []
+        shard_metrics: list[dict[str, float]] = []
         sizes: list[int] = []
+        step: list[PackedBatch] = []  # the step's parts (one without streaming)
+        norm = StepNormaliser(self.cfg.streaming)
+        pending: asyncio.Task[PackedBatch | None] | None = None
+        num_micro = 0
+        part: PackedBatch | None = batch
         try:
-            for micro in micro_batches:
-                await self.at_boundary()
-                if self.dp.size == 0:  # stopping while no device is held: the step is abandoned
-                    raise StepAbandoned(batch.batch_id)
-                t0, size = time.perf_counter(), self.dp.size
-                m0 = self.pacer.clock()
-                parts += await asyncio.to_thread(self._micro, micro)
-                # paced: the micro-batch takes the modelled time of its share of the step's groups
-                groups = len(set(batch.group_ids)) * micro.num_tokens / max(1, batch.num_tokens)
-                await self.pacer.wait("train", m0, functools.partial(self.pacer.train_s, groups, size))
-                self.pacer.busy("train", "trainer", m0, self.pacer.clock(), devices=size)
-                self.micro_device_s = (time.perf_counter() - t0) * size
-                self.micro_left -= 1
-                sizes.append(size)
+            while part is not None:
+                step.append(part)
+                self.step_parts = len(step)
+                if self.cfg.streaming:  # the next part is pulled while this one trains
+                    pending = asyncio.create_task(self.next_part(sum(p.num_tokens for p in step)))
+                grad_factor, weight_factor = norm.add(part)
+                micro_batches = part.micro_batches(self.cfg.micro_batch_tokens)
+                self.micro_left = len(micro_batches)
+                for micro in micro_batches:
+                    await self.at_boundary()
+                    if self.dp.size == 0:  # stopping while no device is held: the step is abandoned
+                        raise StepAbandoned(part.batch_id)
+                    t0, size = time.perf_counter(), self.dp.size
+                    m0 = self.pacer.clock()
+                    got = await asyncio.to_thread(self._micro, micro, grad_factor, weight_factor)
+                    grad_factor = 1.0  # the accumulated gradient is rescaled once per part
+                    norm.add_loss(sum(m["loss"] for m in got))
+                    shard_metrics += got
+                    # paced: the micro-batch takes the modelled time of its share of the part's groups
+                    groups = len(set(part.group_ids)) * micro.num_tokens / max(1, part.num_tokens)
+                    await self.pacer.wait("train", m0, functools.partial(self.pacer.train_s, groups, size))
+                    self.pacer.busy("train", "trainer", m0, self.pacer.clock(), devices=size)
+                    self.micro_device_s = (time.perf_counter() - t0) * size
+                    self.micro_left -= 1
+                    num_micro += 1
+                    sizes.append(size)
+                part, pending = (await pending if pending is not None else None), None
             grad_norm = await asyncio.to_thread(self._finish)
         finally:
-            self.step_in_progress, self.micro_left = False, 0
+            if pending is not None:  # abandoned: the part pulled meanwhile is journaled (replayed later)
+                await pending
+            self.step_in_progress, self.micro_left, self.step_parts = False, 0, 0
         self.state.step += 1
-        self.state.trained_batch_ids.append(batch.batch_id)
-        metrics = combine_metrics(parts)
+        self.state.trained_batch_ids.extend(p.batch_id for p in step)
+        self.last_batch_groups = len({g for p in step for g in p.group_ids})
+        metrics = combine_metrics(shard_metrics)
+        if self.cfg.streaming:
+            metrics["loss"] = norm.step_loss()
         metrics.update(
             step=float(self.state.step),
             dp_size=float(self.dp.size),
             dp_size_mean=sum(sizes) / len(sizes),  # ranks per micro-batch: min < max = resized mid-step
             dp_size_min=float(min(sizes)),
             dp_size_max=float(max(sizes)),
-            num_micro_batches=float(len(micro_batches)),
+            num_micro_batches=float(num_micro),
+            num_parts=float(len(step)),
             step_s=time.perf_counter() - start,
         )
         if self.cfg.grad_clip:
             metrics["grad_norm"] = grad_norm
-        metrics["num_paths"] = float(batch.num_paths)
-        if batch.num_paths:
-            metrics["reward_mean"] = batch.reward_sum / batch.num_paths
+        num_paths = sum(p.num_paths for p in step)
+        metrics["num_paths"] = float(num_paths)
+        if num_paths:
+            metrics["reward_mean"] = sum(p.reward_sum for p in step) / num_paths
         self.last_metrics = metrics
         return metrics
 
-    def _micro(self, micro: PackedBatch) -> list[dict[str, float]]:
+    def _micro(
+        self, micro: PackedBatch, grad_factor: float = 1.0, weight_factor: float = 1.0
+    ) -> list[dict[str, float]]:
+        """One micro-batch on every rank. `grad_factor` rescales rank 0's accumulated gradient first (the
+        other ranks zero theirs), `weight_factor` the micro-batch's weights (StepNormaliser)."""
         param = next(self.model.parameters())
-        shard = self.dp.scatter(micro).to(param.device, DTYPES[self.cfg.dtype])
+        dtype = DTYPES[self.cfg.dtype]
+        if grad_factor != 1.0:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(grad_factor)
+        if weight_factor != 1.0:  # scaled in the training dtype, before the shards go out
+            micro = micro.to("cpu", dtype).scaled(weight_factor)
+        shard = self.dp.scatter(micro).to(param.device, dtype)
         metrics = backward_micro(self.model, shard, self.loss_settings, self.ref_model)
         self.dp.reduce_gradients(self.model)
         return [metrics, *self.dp.gather_metrics()]
@@ -333,6 +417,40 @@ class Trainer:
                 self.journal.last_published_version,
             )
             self.store.write_journal(self.journal)
+
+
+class StepNormaliser:
+    """Makes a step trained from parts equal to one batch of the same groups (trainer.streaming).
+
+    The trajectory service normalises each batch's weights by that batch's own normaliser N_i
+    (trained tokens counted per member; BatchChunk.normaliser), and N adds up over disjoint groups, so
+    the step's batch would carry weights w_i * N_i / N with N = N_1 + ... + N_k, known only once the
+    last part arrived. The loss is linear in the weights, so after part i the gradient accumulated
+    so far is kept normalised by C_i = N_1 + ... + N_i: part i's weights are multiplied by N_i / C_i,
+    and the gradient accumulated before it (rank 0's: the other ranks zero theirs per micro-batch)
+    by C_{i-1} / C_i. After the last part the gradient is exactly the step batch's; clipping and the
+    optimizer step see it unchanged. The step's loss is sum_i loss_i * C_i / N. A part without a
+    normaliser (0: stored before the field existed) counts its trained tokens instead.
+    Without streaming every factor is 1 and nothing is rescaled."""
+
+    def __init__(self, streaming: bool) -> None:
+        self.streaming = streaming
+        self.total = 0.0  # C_i
+        self.loss_sum = 0.0  # sum of micro-batch losses, each times the C_i it was trained under
+
+    def add(self, part: PackedBatch) -> tuple[float, float]:
+        """(factor for the accumulated gradient, factor for `part`'s weights) as `part` joins the step."""
+        if not self.streaming:
+            return 1.0, 1.0
+        n = part.normaliser if part.normaliser > 0 else float(part.loss_mask.sum()) or 1.0
+        before, self.total = self.total, self.total + n
+        return (before / self.total if before else 1.0), n / self.total
+
+    def add_loss(self, loss: float) -> None:
+        self.loss_sum += loss * (self.total if self.streaming else 1.0)
+
+    def step_loss(self) -> float:
+        return self.loss_sum / (self.total if self.streaming and self.total else 1.0)
 
 
 STANDALONE_DEVICE = "local"  # the one rank of a trainer without a scheduler

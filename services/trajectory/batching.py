@@ -12,6 +12,11 @@ A batch's lifecycle (state in Postgres, table traj_batches)::
   trainer that restarts resumes it with ``resume_batch_id`` and gets the same chunks.
 - Groups older than ``max_staleness`` versions behind the trainer's version are dropped
   (``dropped_stale``, counted), never packed.
+- A streaming trainer (``PullBatchRequest.stream_part``) pulls a step as several *parts*: each
+  part is a batch like any other (same lifecycle, staleness, whole trees, announced, acked), packed
+  as soon as one fresh scored group fits the step's remaining budget rather than at
+  ``min_batch_fill``. Every chunk carries its batch's ``normaliser`` so that the trainer can
+  re-normalise the step's parts as one batch (services/trainer/loop.py).
 Everything runs under the state lock; a batch and its groups' ``batched`` state are one commit.
 """
 
@@ -74,15 +79,26 @@ class Batcher:
         return fresh, stale
 
     async def _build(
-        self, max_tokens: int, current_version: int | None, state: str, consumer: str = ""
+        self,
+        max_tokens: int,
+        current_version: int | None,
+        state: str,
+        consumer: str = "",
+        strict: bool = False,
     ) -> TreeBatch | None:
-        """Pack scored groups into a batch and persist it (lock held by caller)."""
+        """Pack scored groups into a batch and persist it (lock held by caller). Without `strict` the
+        first group is taken even when alone over `max_tokens` (a tree is never split); with it, a
+        group over `max_tokens` is left for a later batch."""
         groups = self.state.groups
         fresh = await self._drop_stale(current_version)
+        if strict:
+            fresh = [g for g in fresh if self._tree_tokens(groups[g.group_id], g) <= max_tokens]
         if not fresh:
             return None
         chosen = select_groups(self.state.trees, fresh, max_tokens)
         packed = pack(self.state.trees, chosen, batch_id=uuid.uuid4().hex[:16])
+        for c in packed.chunks:  # stored with the chunks: a resumed batch carries it too
+            c.normaliser = packed.normaliser
         if not packed.chunks:
             # Groups scored before the 'empty' check existed (loaded from Postgres): never an empty batch.
             await self._skip_empty([g.group_id for g in chosen])
@@ -165,14 +181,20 @@ class Batcher:
         current = int(req.current_version) if req.current_version else None
         deadline = time.monotonic() + max(0.0, req.wait_s)
         while True:
-            chunks, packed = await self._pull_once(max_tokens, current, req.consumer)
+            if req.stream_part:
+                chunks, packed, full = await self._pull_part_once(
+                    max_tokens, int(req.step_tokens), current, req.consumer
+                )
+            else:
+                (chunks, packed), full = await self._pull_once(max_tokens, current, req.consumer), False
             if packed is not None:
                 await self._announce(packed)
             if chunks:
                 self.counters["batches_delivered"] += 1
+                self.counters["batch_parts_delivered"] += int(req.stream_part)
                 return chunks
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or full:
                 return []
             self.batch_ready.clear()
             try:
@@ -223,6 +245,37 @@ class Batcher:
                 return [], None
             packed = await self._build(max_tokens, current, "delivered", consumer)
             return (packed.chunks, packed) if packed is not None else ([], None)
+
+    async def _pull_part_once(
+        self, max_tokens: int, step_tokens: int, current: int | None, consumer: str
+    ) -> tuple[list[trajectory_pb2.BatchChunk], TreeBatch | None, bool]:
+        """One part of a streamed step (PullBatchRequest.stream_part): a ready batch that fits, or the
+        fresh scored groups that fit packed now, even a single group (no min_batch_fill wait). With
+        `step_tokens` > 0 the budget is strict, and the third value says the step is full: scored
+        groups wait but none fits what is left of the budget."""
+        async with self.commits.lock:
+            while True:
+                b = await asyncio.to_thread(self.store.next_ready_batch)
+                if b is None:
+                    break
+                stale = (
+                    current is not None
+                    and b.min_version >= 0
+                    and b.min_version < current - self.cfg.max_staleness
+                )
+                if b.num_tokens > max_tokens or stale:
+                    groups = await asyncio.to_thread(self.store.release_batch, b.batch_id)
+                    for gid in groups:
+                        self.state.groups[gid].state = "scored"
+                    continue
+                if await asyncio.to_thread(self.store.mark_delivered, b.batch_id, consumer):
+                    return decode_chunks(b.chunks), None, False
+            strict = step_tokens > 0
+            packed = await self._build(max_tokens, current, "delivered", consumer, strict=strict)
+            if packed is not None:
+                return packed.chunks, packed, False
+            waiting = strict and bool(self._scored_groups(current)[0])
+            return [], None, waiting
 
     async def _drop_stale(self, current_version: int | None) -> list[ScoredGroup]:
         """Mark scored groups too old for `current_version` dropped; return the fresh ones (lock held)."""
