@@ -20,6 +20,8 @@ Loops and what they wait on::
     poll (every ready_poll_s) --> score ready groups --> GroupScoredEvent
                               --> build batch when enough scored tokens --> BatchReadyEvent
     PullBatch --> claim a ready batch (or pack one now) --> mark delivered --> stream chunks
+    PullBatch(stream_part) --> the same for one part of a streamed step: packed as soon as one
+                               scored group fits the step's remaining budget (batching.py)
 """
 
 from __future__ import annotations
