@@ -114,11 +114,16 @@ class PartSourceStub:
 
     def __init__(self, steps: list[list[PackedBatch]]) -> None:
         self.steps = [list(s) for s in steps]
+        self.by_id = {p.batch_id: p for s in steps for p in s}
         self.current: list[PackedBatch] = []
         self.requests: list[tuple[int, int]] = []
+        self.resumed: list[str] = []
+        self.acked: list[str] = []
 
     async def pull(self, current_version: int, resume_batch_id: str = "") -> PackedBatch | None:
-        raise AssertionError("a streaming trainer without a journal to replay pulls parts only")
+        assert resume_batch_id, "a streaming trainer pulls new data as parts only"
+        self.resumed.append(resume_batch_id)
+        return self.by_id[resume_batch_id]
 
     async def pull_part(
         self, current_version: int, max_tokens: int, step_tokens: int, wait_s: float
@@ -129,16 +134,16 @@ class PartSourceStub:
         return self.current.pop(0) if self.current else None
 
     async def ack(self, batch_id: str, version: int) -> None:
-        pass
+        self.acked.append(batch_id)
 
 
-def _config(streaming: bool) -> TrainerConfig:
+def _config(streaming: bool, checkpoint_every: int = 100) -> TrainerConfig:
     return TrainerConfig(
         dtype="float64",
         device="cpu",
         lr=1e-2,
         grad_clip=1.0,
-        checkpoint_every=100,
+        checkpoint_every=checkpoint_every,
         pull_wait_s=0,
         micro_batch_tokens=MICRO_BATCH_TOKENS,
         streaming=streaming,
@@ -146,14 +151,17 @@ def _config(streaming: bool) -> TrainerConfig:
     )
 
 
-def _trainer(run_dir, streaming: bool, metrics: list[dict[str, float]]) -> Trainer:
+def _trainer(
+    run_dir, streaming: bool, metrics: list[dict[str, float]], source=None, checkpoint_every: int = 100
+) -> Trainer:
     parts, whole = _steps()
-    source = PartSourceStub(parts) if streaming else WholeSource(whole)
+    if source is None:
+        source = PartSourceStub(parts) if streaming else WholeSource(whole)
 
     async def sink(weights, step_metrics):
         metrics.append(step_metrics)
 
-    return Trainer(_config(streaming), run_dir, source, sink, seed=0)  # type: ignore[arg-type]
+    return Trainer(_config(streaming, checkpoint_every), run_dir, source, sink, seed=0)
 
 
 def _assert_same_steps(got, want, streamed: Trainer, reference: Trainer) -> None:
@@ -206,6 +214,43 @@ async def test_a_streamed_step_equals_one_batch_of_the_same_groups(tmp_path):
     assert requests[0] == (budget, 0)
     first = _steps()[0][0][0].num_tokens
     assert requests[1] == (budget - first, first)
+
+
+class Crash(Exception):
+    pass
+
+
+async def test_a_streamed_step_cut_by_a_crash_is_replayed_from_the_journal_and_trained_once(tmp_path):
+    source = PartSourceStub(_steps()[0])  # the trajectory service: it outlives the trainer
+    first = _trainer(tmp_path / "run", True, [], source, checkpoint_every=1)
+
+    async def crash_in_step_two() -> None:
+        if first.state.step == 1 and first.step_parts == 2:
+            raise Crash  # the process dies while training step 2's second part
+
+    first.boundary_hooks.append(crash_in_step_two)
+    with pytest.raises(Crash):
+        await first.run(max_steps=2)
+    step_one = [p.batch_id for p in _steps()[0][0]]
+    step_two = [p.batch_id for p in _steps()[0][1]]
+    assert source.acked == step_one  # step 1 was checkpointed; step 2's parts are only journaled
+    assert first.journal.pulled_batch_ids == step_two
+
+    got: list[dict[str, float]] = []
+    second = _trainer(tmp_path / "run", True, got, source, checkpoint_every=1)
+    assert second.state.step == 1 and second.replay == step_two
+    await second.run(max_steps=2)
+    assert source.resumed == step_two
+    assert source.acked == step_one + step_two  # every part acked once
+    assert second.state.trained_batch_ids == step_one + step_two
+    assert got[0]["num_parts"] == len(step_two)
+
+    want: list[dict[str, float]] = []
+    reference = _trainer(tmp_path / "ref", True, want)  # streamed, never crashed
+    await reference.run(max_steps=2)
+    assert got[0]["loss"] == pytest.approx(want[1]["loss"], rel=1e-6)
+    for a, b in zip(second.model.parameters(), reference.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
 
 
 # devices held from the k-th boundary on (boundary 0 comes before the first pull)
