@@ -131,7 +131,7 @@ async def _one(
     bus = await Bus.connect(nats_url, name="bench-streaming")
     await bus.ensure_streams()
     server, port = rpc.create_server()
-    common = CommonConfig(run_id=run_id, nats_url=nats_url, database_url=db_url)
+    common = CommonConfig.model_validate({"run_id": run_id, "nats_url": nats_url, "database_url": db_url})
     budget = group_tokens * args.groups_per_step
     tcfg = {
         "ready_poll_s": 0.05,
@@ -198,7 +198,7 @@ async def _calibrate(urls: tuple[str, str], run_id: str, turns: int) -> int:
     bus = await Bus.connect(urls[0], name="bench-streaming")
     await bus.ensure_streams()
     server, port = rpc.create_server()
-    common = CommonConfig(run_id=run_id, nats_url=urls[0], database_url=urls[1])
+    common = CommonConfig.model_validate({"run_id": run_id, "nats_url": urls[0], "database_url": urls[1]})
     service = TrajectoryService(common, TrajectoryConfig.model_validate({"ready_poll_s": 0.05}))
     await service.start(
         Runtime(common=common, bus=bus, engine=engine, server=server, port=port, name="trajectory")

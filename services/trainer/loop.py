@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from gyre.errors import InvalidArgument
 from gyre.model import build_model, save_weights
 from gyre.pacing import Pacer
 from gyre.v1 import common_pb2
@@ -121,6 +122,11 @@ class Trainer:
         self, cfg: TrainerConfig, run_dir: Path, source: BatchSource, publish: WeightsSink, seed: int = 0
     ) -> None:
         self.cfg, self.run_dir, self.source, self.publish_sink = cfg, Path(run_dir), source, publish
+        if cfg.streaming and not callable(getattr(source, "pull_part", None)):
+            raise InvalidArgument(
+                f"trainer.streaming needs a batch source that hands out parts (pull_part); {source!r} "
+                "does not: set trainer.streaming to false or use the trajectory service's source"
+            )
         self.model, self.optimizer, self.ref_model, self.loss_settings = build_replica(
             cfg, device=torch_device(cfg.device, None), seed=seed
         )
@@ -266,11 +272,7 @@ class Trainer:
         return self.journaled(part)
 
     def part_source(self) -> PartSource:
-        if not hasattr(self.source, "pull_part"):
-            raise TypeError(
-                f"trainer.streaming needs a source that hands out parts; {self.source!r} does not"
-            )
-        return self.source  # type: ignore[return-value]
+        return self.source  # type: ignore[return-value]  # checked in __init__ when streaming
 
     def journaled(self, batch: PackedBatch | None) -> PackedBatch | None:
         """`batch`, its id written to the journal before it is trained; None for a redelivered batch

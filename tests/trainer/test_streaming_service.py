@@ -222,3 +222,45 @@ async def _parts_begun(trainer: Trainer, step: asyncio.Task[None], n: int) -> bo
         step.result()  # raises what ended the loop
         raise AssertionError(f"the step ended before its part {n + 1} was published")
     return trainer.step_parts >= n
+
+
+@pytest.mark.timeout(120)
+async def test_a_part_takes_a_group_at_once_and_a_full_step_is_answered_without_waiting(
+    nats_url, database_url
+):
+    run_id = f"parts{random.randrange(1 << 30)}"
+    traj = await Trajectory().start(
+        nats_url, database_url, run_id, min_batch_fill=1.0, batch_max_wait_s=3600.0
+    )
+    try:
+        groups = _groups()[:2]
+        for g in groups:
+            await traj.publish(g)
+
+        async def both_scored() -> bool:
+            return await traj.stat("groups_state_scored") == 2
+
+        await wait_for(both_scored)
+
+        async def part(**kw: object) -> list[trajectory_pb2.BatchChunk]:
+            req = trajectory_pb2.PullBatchRequest(consumer="trainer-0", stream_part=True, **kw)  # type: ignore[arg-type]
+            return [c async for c in traj.stub.PullBatch(req)]
+
+        # the step's first part: a budget of 1 token still takes one group (a tree is never split)
+        first = await part(max_tokens=1, wait_s=0)
+        assert len({g for c in first for g in c.group_ids}) == 1
+        assert first[0].normaliser > 0 and {c.normaliser for c in first} == {first[0].normaliser}
+        tokens = sum(len(c.token_ids) for c in first)
+        # later parts: the budget left is strict; the other group does not fit 1 token, so the step is
+        # full and the answer comes without the hour's wait (the bound below is only a hang guard)
+        assert await asyncio.wait_for(part(max_tokens=1, step_tokens=tokens, wait_s=3600.0), 60) == []
+        assert await traj.stat("groups_state_scored") == 1  # left for the next step, not dropped
+        # without stream_part the batching rules hold: the waiting group is below min_batch_fill
+        assert [
+            c async for c in traj.stub.PullBatch(trajectory_pb2.PullBatchRequest(consumer="trainer-0"))
+        ] == []
+        second = await part(max_tokens=BUDGET, step_tokens=tokens, wait_s=0)
+        assert {g for c in second for g in c.group_ids} == {groups[1][0].group_id}
+        assert await traj.stat("batch_parts_delivered") == 2
+    finally:
+        await traj.stop()
