@@ -3,7 +3,8 @@
     rollout:    longhorizon env + the rollout agent loop (context policy, sampling seeds)
                 driving the torch engine (KV cache, continuous batching)
     trajectory: task trees, scoring + credit assignment + dedup (`score_group`), tree packing (`pack`)
-    trainer:    `from_chunks` -> `train_on_shard` (clip-higher PPO tree loss + entropy bonus, AdamW)
+    trainer:    `from_chunks` -> `train_on_shard` (clip-higher PPO tree loss over batch-normalised
+                advantages + entropy bonus, AdamW)
     weights:    `save_weights` -> engine `load_weights` (a new version every optimizer step)
 
 The distributed run (`gyre run examples/quickstart.yaml`) does the same with every part its own
@@ -70,6 +71,7 @@ class LearningSettings:
     entropy_coef: float = 0.1
     entropy_target: float = 0.5  # nats; < 0: no floor
     normalise_std: int = 0  # GRPO's division by the group's reward std (quickstart: off)
+    batch_norm: int = 1  # trainer.normalise_batch_advantages: PG term / the batch's advantage RMS
     credit: str = "progress"  # trajectory.credit_assignment: "execution" | "progress" | "tree"
     progress_discount: float = 0.0  # trajectory.progress_discount
     tree_local_coef: float = 1.0  # trajectory.tree_local_coef
@@ -110,6 +112,7 @@ async def run_learning(
         clip_eps_high=s.clip_eps_high,
         entropy_coef=s.entropy_coef,
         entropy_target=s.entropy_target if s.entropy_target >= 0 else None,
+        normalise_batch_advantages=bool(s.batch_norm),
         model=ModelConfig(init_std=s.init_std),
     )
     model, optimizer, ref_model, loss_settings = build_replica(cfg, seed=s.seed)

@@ -58,6 +58,16 @@ class TrainerConfig(ConfigModel):
             "lifts only tokens whose entropy fell below it and never pushes a policy above it; None = no cap."
         ),
     )
+    normalise_batch_advantages: bool = Field(
+        default=False,
+        description=(
+            "Divide the policy-gradient term by the RMS of the batch's token advantages (PPO's batch "
+            "advantage normalisation, computed per micro-batch shard when a step is split): the step "
+            "size no longer depends on the reward scale or on how far groups have converged, and "
+            "entropy_coef is relative to unit advantages. The quickstart turns it on; off by default so "
+            "a step's loss is the exact sum of its micro-batches' and ranks' losses."
+        ),
+    )
     kl_coef: float = Field(
         default=0.0, ge=0, description="Weight of the KL to the initial (reference) model; 0 = none."
     )

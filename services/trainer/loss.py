@@ -21,6 +21,16 @@ The algorithm (why these terms; docs/trainer.md, "The RL algorithm"):
 - Clip-higher (DAPO, Yu et al. 2025): `clip_eps_high` > `clip_eps` lets a token whose probability
   is low rise further within one step, while the lower bound still stops a collapse of probable
   tokens; with staleness (ratios != 1) this keeps rare good actions learnable.
+- Batch advantage normalisation (`normalise_advantages`, PPO's advantage normalisation over the
+  batch): the policy-gradient term is divided by the RMS of the advantages of the batch's trained
+  tokens (`advantage_rms`; group means are already subtracted, so it is their std about 0). The
+  step's direction is unchanged; its size no longer depends on the reward scale, which per-call
+  credit makes small (progress per call ~ 1/horizon) and which shrinks as groups converge, and
+  `entropy_coef` weighs the bonus against advantages of unit RMS. Unlike GRPO's per-group std
+  (`trajectory.normalise_advantage_std`) it does not blow up the rare difference of a nearly
+  converged group relative to the others. It is computed over the batch `tree_loss` is given: the
+  whole step when the step is one micro-batch on one rank (the quickstart's usual case), else each
+  micro-batch shard on its own, as per-minibatch normalisation in common PPO implementations.
 - Entropy bonus: `entropy_coef` * H(pi(.|ancestors)) at every trained token (the full-vocabulary
   entropy, nats, token-mean weighted like the KL). Without it a peaked policy becomes
   deterministic on some wrong actions, every execution of a group then behaves alike, the group's
@@ -45,6 +55,9 @@ from gyre.model.attention import TreeLayout
 from gyre.model.forward import hidden_states, logits_from_hidden, predecessor_index
 from services.trainer.batch import PackedBatch
 
+ADVANTAGE_RMS_FLOOR = 1e-6
+"""Score units: a batch whose advantages' RMS is below this is not rescaled (its policy-gradient term is ~0)."""
+
 
 @dataclass(frozen=True)
 class LossSettings:
@@ -55,6 +68,7 @@ class LossSettings:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     entropy_target: float | None = None  # nats; the bonus counts min(H_t, target); None = H_t
+    normalise_advantages: bool = False  # divide the policy-gradient term by the advantages' RMS
 
     @property
     def eps_high(self) -> float:
@@ -62,13 +76,15 @@ class LossSettings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> LossSettings:
-        """The settings a TrainerConfig names (clip_eps, clip_eps_high, kl_coef, entropy_coef)."""
+        """The settings a TrainerConfig names (clip_eps, clip_eps_high, kl_coef, entropy_coef,
+        entropy_target, normalise_batch_advantages)."""
         return cls(
             clip_eps=cfg.clip_eps,
             clip_eps_high=cfg.clip_eps_high,
             kl_coef=cfg.kl_coef,
             entropy_coef=cfg.entropy_coef,
             entropy_target=cfg.entropy_target,
+            normalise_advantages=cfg.normalise_batch_advantages,
         )
 
 
@@ -91,6 +107,22 @@ def clipped_token_losses(
     loss_neg = -torch.maximum(ratio, clipped)
     per_token = weight_pos * loss_pos + weight_neg * loss_neg
     return torch.where(loss_mask, per_token, torch.zeros_like(per_token)), ratio
+
+
+def advantage_rms(batch: PackedBatch) -> float:
+    """Root mean square of the advantages of a packed batch's trained tokens, each token counted with
+    the weight of the paths that train it (score units; 0 when nothing is trained).
+
+    A token's advantage is (weight_pos + weight_neg) / kl_weight: the norm-weighted mean advantage of
+    the paths through it (kl_weight sums their norms, services/trajectory/packing.py), so this is
+    sqrt(sum_t kl_weight_t a_t^2 / sum_t kl_weight_t) = the RMS over every member's trained tokens.
+    Group means are already subtracted, so it is the batch's advantage std about 0."""
+    trained = batch.loss_mask & (batch.kl_weight > 0)
+    kw = batch.kl_weight[trained].double()
+    if kw.numel() == 0 or float(kw.sum()) <= 0.0:
+        return 0.0
+    a = (batch.weight_pos + batch.weight_neg)[trained].double() / kw
+    return float(((kw * a * a).sum() / kw.sum()).sqrt())
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -145,6 +177,11 @@ def tree_loss(
         "num_tokens": float(batch.num_tokens),
         "num_trained_tokens": float(n_train),
     }
+    if settings.normalise_advantages:
+        rms = advantage_rms(batch)
+        metrics["advantage_rms"] = rms
+        if rms > ADVANTAGE_RMS_FLOOR:  # below it every advantage is ~0: nothing to scale up
+            loss = loss / rms
     if settings.kl_coef and ref_model is not None:
         with torch.no_grad():
             ref = batch_logprobs(ref_model, batch)
