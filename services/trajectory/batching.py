@@ -15,7 +15,8 @@ A batch's lifecycle (state in Postgres, table traj_batches)::
 - A streaming trainer (``PullBatchRequest.stream_part``) pulls a step as several *parts*: each
   part is a batch like any other (same lifecycle, staleness, whole trees, announced, acked), packed
   as soon as one fresh scored group fits the step's remaining budget rather than at
-  ``min_batch_fill``. Every chunk carries its batch's ``normaliser`` so that the trainer can
+  ``min_batch_fill``; the step is full once its parts hold ``min_batch_fill`` of the budget (what a
+  whole batch holds). Every chunk carries its batch's ``normaliser`` so that the trainer can
   re-normalise the step's parts as one batch (services/trainer/loop.py).
 Everything runs under the state lock; a batch and its groups' ``batched`` state are one commit.
 """
@@ -251,8 +252,13 @@ class Batcher:
     ) -> tuple[list[trajectory_pb2.BatchChunk], TreeBatch | None, bool]:
         """One part of a streamed step (PullBatchRequest.stream_part): a ready batch that fits, or the
         fresh scored groups that fit packed now, even a single group (no min_batch_fill wait). With
-        `step_tokens` > 0 the budget is strict, and the third value says the step is full: scored
-        groups wait but none fits what is left of the budget."""
+        `step_tokens` > 0 the budget is strict, and the third value says the step is full: it already
+        holds what a whole batch would (``min_batch_fill`` of its budget, the poll loop's rule, so a
+        streamed step trains as many groups as a batch would), or scored groups wait but none fits
+        what is left of the budget."""
+        budget = min(step_tokens + max_tokens, self.cfg.max_batch_tokens)
+        if step_tokens > 0 and step_tokens >= self.cfg.min_batch_fill * budget:
+            return [], None, True
         async with self.commits.lock:
             while True:
                 b = await asyncio.to_thread(self.store.next_ready_batch)

@@ -264,3 +264,36 @@ async def test_a_part_takes_a_group_at_once_and_a_full_step_is_answered_without_
         assert await traj.stat("batch_parts_delivered") == 2
     finally:
         await traj.stop()
+
+
+async def test_a_streamed_step_is_full_once_its_parts_hold_what_a_whole_batch_would(nats_url, database_url):
+    run_id = f"fill{random.randrange(1 << 30)}"
+    traj = await Trajectory().start(
+        nats_url, database_url, run_id, min_batch_fill=0.5, batch_max_wait_s=3600.0
+    )
+    try:
+        groups = _groups()[:2]
+        for g in groups:
+            await traj.publish(g)
+
+        async def both_scored() -> bool:
+            return await traj.stat("groups_state_scored") == 2
+
+        await wait_for(both_scored)
+
+        async def part(**kw: object) -> list[trajectory_pb2.BatchChunk]:
+            req = trajectory_pb2.PullBatchRequest(consumer="trainer-0", stream_part=True, **kw)  # type: ignore[arg-type]
+            return [c async for c in traj.stub.PullBatch(req)]
+
+        first = await part(max_tokens=1, wait_s=0)
+        tokens = sum(len(c.token_ids) for c in first)
+        # The step's budget is 2 x its tokens, so its parts already fill min_batch_fill (0.5): a
+        # whole batch would hold no more. The other group fits, yet the step is answered full at
+        # once (the bound is only a hang guard) and the group waits for the next step.
+        assert await asyncio.wait_for(part(max_tokens=tokens, step_tokens=tokens, wait_s=3600.0), 60) == []
+        assert await traj.stat("groups_state_scored") == 1
+        # With room for more than twice its tokens the same step takes the other group.
+        second = await part(max_tokens=BUDGET - tokens, step_tokens=tokens, wait_s=0)
+        assert {g for c in second for g in c.group_ids} == {groups[1][0].group_id}
+    finally:
+        await traj.stop()
