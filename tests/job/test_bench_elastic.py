@@ -47,6 +47,8 @@ def test_each_policys_run_config_is_valid_and_a_batch_is_one_simulated_steps_gro
     assert (w.tasks_per_step - 1) * group < threshold <= w.tasks_per_step * group
     assert w.tasks_per_step * group <= trajectory.max_batch_tokens < (w.tasks_per_step + 1) * group
     assert trainer.batch_max_tokens == trajectory.max_batch_tokens
+    # the trainer the simulator predicts for: streaming when the workload's semantics say so
+    assert trainer.streaming == w.service.trainer_streaming
 
 
 def _row(s: float | None, err: float | None, interrupted: int = 0, handoffs: int = 1) -> dict[str, object]:

@@ -14,7 +14,10 @@ simulator uses (from the publication of weight version `warmup_steps` to that of
   always called "device idle fraction"; it is not the simulator's quantity (a leased engine with
   nothing to decode is busy by lease and idle by work), so the two are never compared;
 - `reassignments`, `live_migrations`, `executions_interrupted` and `train_handoffs` (ACQUIRED leases
-  of role train: a device that completed its move to the trainer).
+  of role train: a device that completed its move to the trainer);
+- `parts_per_step`: the mean number of parts the trainer's steps were trained from (its weights
+  events' `num_parts`): above 1 only where a streaming trainer (`trainer.streaming`) began a step
+  before all of its groups were scored.
 """
 
 from __future__ import annotations
@@ -57,10 +60,12 @@ def measure_run(run_dir: Path, warmup_steps: int | None = None) -> dict[str, Any
     a = analyse(records)
     raw = _config(run_dir)
     published: dict[int, float] = {}
+    parts: list[float] = []
     for r in records:
         if r["type"] == "WeightsPublishedEvent":
             v = int((r["event"].get("weights") or {}).get("version") or 0)
             published[v] = min(published.get(v, math.inf), event_time(r))
+            parts.append(float((r["event"].get("metrics") or {}).get("num_parts") or 1.0))
     n = max(published, default=0)
     job_steps = (raw.get("job") or {}).get("num_steps")
     if job_steps:  # the job's steps; versions trained while it stopped are not in the window
@@ -110,6 +115,7 @@ def measure_run(run_dir: Path, warmup_steps: int | None = None) -> dict[str, Any
         "live_migrations": max(a.num_migrations, int(rollout.get("migrations") or 0)),
         "executions_interrupted": interrupted,
         "train_handoffs": len(handoffs),
+        "parts_per_step": sum(parts) / len(parts) if parts else None,
         "lease_device_s": dict(lease_s),
         "idle_fraction_lease": (lease_s["idle"] + lease_s["switching"]) / lease_total
         if lease_total

@@ -148,6 +148,12 @@ def run_config(
             "pull_wait_s": 0.5,  # short: a device released mid-pull leaves at the next boundary
             "report_load_interval_s": 0.5,
             "checkpoint_every": 1000,
+            # The simulator's trainer semantics, so that the prediction models this trainer: a
+            # streaming trainer trains a step's groups as they are scored.
+            "streaming": w.service.trainer_streaming,
+            # A step ends when its parts fill min_batch_fill (the batch rule above), as the
+            # simulator's step k trains batch k's groups; this wait is only the fallback.
+            "stream_wait_s": 30.0,
         },
     }
 
@@ -172,6 +178,7 @@ def row(measured: dict[str, Any], predicted: dict[str, Any], time_scale: float) 
         "live_migrations": measured["live_migrations"],
         "executions_interrupted": measured["executions_interrupted"],
         "train_handoffs": measured["train_handoffs"],
+        "parts_per_step": measured.get("parts_per_step"),
         "device_s_by_lease": measured["lease_device_s"],
         "device_s_busy": measured["busy_device_s"],
         "idle_fraction": measured["idle_fraction_busy"],
@@ -316,13 +323,14 @@ def format_table(result: dict[str, Any]) -> str:
         f"workload {result['workload']} at time_scale {result['time_scale']} ({result['num_devices']} devices, "
         f"async split {result['async_rollout_devices']} rollout)",
         f"{'policy':<9} {'s/step':>7} {'sim':>7} {'err':>7} {'reassign':>8} {'migr':>5} {'interr':>6} "
-        f"{'train handoffs':>14} {'idle(busy)':>10} {'sim idle':>8} {'idle(lease)':>11}",
+        f"{'train handoffs':>14} {'parts/step':>10} {'idle(busy)':>10} {'sim idle':>8} {'idle(lease)':>11}",
     ]
     for p, r in result["policies"].items():
         lines.append(
             f"{p:<9} {_n(r['s_per_step']):>7} {_n(r['predicted_s_per_step']):>7} {_n(r['relative_error'], '+.1%'):>7} "
             f"{r['reassignments']:>8} {r['live_migrations']:>5} {r['executions_interrupted']:>6} "
-            f"{r['train_handoffs']:>14} {_n(r['idle_fraction'], '.3f'):>10} "
+            f"{r['train_handoffs']:>14} {_n(r.get('parts_per_step'), '.2f'):>10} "
+            f"{_n(r['idle_fraction'], '.3f'):>10} "
             f"{_n(r['predicted_idle_fraction'], '.3f'):>8} {_n(r['idle_fraction_by_lease'], '.3f'):>11}"
         )
     lines.append("targets: " + json.dumps(result["targets"], default=str))
