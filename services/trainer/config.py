@@ -62,7 +62,7 @@ class TrainerConfig(ConfigModel):
         default=False,
         description=(
             "Divide the policy-gradient term by the RMS of the batch's token advantages (PPO's batch "
-            "advantage normalisation, computed per micro-batch shard when a step is split): the step "
+            "advantage normalisation; computed per shard, a rank's part of a micro-batch, when a step is split): the step "
             "size no longer depends on the reward scale or on how far groups have converged, and "
             "entropy_coef is relative to unit advantages. The quickstart turns it on; off by default so "
             "a step's loss is the exact sum of its micro-batches' and ranks' losses."

@@ -29,8 +29,9 @@ The algorithm (why these terms; docs/trainer.md, "The RL algorithm"):
   `entropy_coef` weighs the bonus against advantages of unit RMS. Unlike GRPO's per-group std
   (`trajectory.normalise_advantage_std`) it does not blow up the rare difference of a nearly
   converged group relative to the others. It is computed over the batch `tree_loss` is given: the
-  whole step when the step is one micro-batch on one rank (the quickstart's usual case), else each
-  micro-batch shard on its own, as per-minibatch normalisation in common PPO implementations.
+  whole step when the step is one micro-batch on one rank, else each shard (a rank's part of a
+  micro-batch) on its own, an estimate of the same RMS (it does not depend on the token-mean
+  normaliser), as per-minibatch normalisation in common PPO implementations.
 - Entropy bonus: `entropy_coef` * H(pi(.|ancestors)) at every trained token (the full-vocabulary
   entropy, nats, token-mean weighted like the KL). Without it a peaked policy becomes
   deterministic on some wrong actions, every execution of a group then behaves alike, the group's
