@@ -3,10 +3,10 @@
 The example runs the real pieces (torch engine + agent loop + longhorizon env, trajectory trees,
 GRPO scoring with per-call credit, dedup and tree packing, the trainer's clip-higher PPO tree loss
 over batch-normalised advantages with its entropy bonus and AdamW step, weight reload) without
-NATS/Postgres; only the step sink is an in-memory list. With a fixed seed the mean reward of the last iterations must clearly exceed that of the
-first ones (a random policy scores ~0.25), and each iteration reports the learning-health numbers
-the run report shows (entropy, KL to the behaviour policy, clip fraction, zero-variance groups,
-the oracle's reward).
+NATS/Postgres; only the step sink is an in-memory list. With a fixed seed the mean reward of the
+last iterations must clearly exceed that of the first ones (a random policy scores ~0.25), and each
+iteration reports the learning-health numbers the run report shows (entropy, KL to the behaviour
+policy, clip fraction, zero-variance groups, the oracle's reward).
 """
 
 from __future__ import annotations
