@@ -68,7 +68,7 @@ class LearningSettings:
     lr: float = 3e-3
     clip_eps: float = 0.2
     clip_eps_high: float = 0.28
-    entropy_coef: float = 0.3  # quickstart: trainer.entropy_coef (relative to unit-RMS advantages with batch_norm)
+    entropy_coef: float = 0.3  # quickstart: trainer.entropy_coef (weighs against unit-RMS advantages)
     entropy_target: float = 0.5  # nats; < 0: no floor
     normalise_std: int = 0  # GRPO's division by the group's reward std (quickstart: off)
     batch_norm: int = 1  # trainer.normalise_batch_advantages: PG term / the batch's advantage RMS
