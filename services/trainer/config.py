@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from gyre.config import ConfigModel
 from gyre.model.config import ModelConfig
@@ -61,11 +61,12 @@ class TrainerConfig(ConfigModel):
     normalise_batch_advantages: bool = Field(
         default=False,
         description=(
-            "Divide the policy-gradient term by the RMS of the batch's token advantages (PPO's batch "
-            "advantage normalisation; computed per shard, a rank's part of a micro-batch, when a step is split): the step "
-            "size no longer depends on the reward scale or on how far groups have converged, and "
-            "entropy_coef is relative to unit advantages. The quickstart turns it on; off by default so "
-            "a step's loss is the exact sum of its micro-batches' and ranks' losses."
+            "Divide the policy-gradient term by the RMS of the step's token advantages (PPO's batch "
+            "advantage normalisation, over the whole step before it is cut into micro-batches and "
+            "data-parallel shards, so it does not depend on how many ranks train it): the step size no "
+            "longer depends on the reward scale or on how far groups have converged, and entropy_coef "
+            "is relative to unit advantages. The quickstart turns it on. Not with `streaming` (a "
+            "streamed step does not know its whole batch when it starts)."
         ),
     )
     kl_coef: float = Field(
@@ -126,3 +127,13 @@ class TrainerConfig(ConfigModel):
         description="Streaming: how long a step waits for its next part (a newly scored group that fits) "
         "before it takes its optimizer step (s); the wait runs while the previous part trains.",
     )
+
+    @model_validator(mode="after")
+    def _streaming_without_step_normalisation(self) -> TrainerConfig:
+        if self.streaming and self.normalise_batch_advantages:
+            raise ValueError(
+                "trainer.streaming and trainer.normalise_batch_advantages cannot both be on: batch "
+                "advantage normalisation divides by the RMS of the whole step's advantages, which a "
+                "streamed step does not know when it trains its first part; turn one of them off"
+            )
+        return self

@@ -429,12 +429,13 @@ def worker_main(conn: Connection, store_host: str, store_port: int, spec: Replic
     """Build a replica, then serve rank 0's commands until told to leave or the pipe closes."""
     try:
         from services.trainer.config import TrainerConfig
-        from services.trainer.loop import backward_micro, build_replica, finish_step
+        from services.trainer.loop import backward_micro, build_replica, finish_step, shard_loss_settings
 
         cfg = TrainerConfig.model_validate_json(spec.trainer_config_json)
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(spec.device))
         model, optimizer, ref_model, settings = build_replica(cfg, spec.device)
+        settings = shard_loss_settings(settings)  # the step's weights arrive normalised
         store = dist.TCPStore(
             store_host, store_port, None, False, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         )

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import json
 import time
@@ -52,7 +53,7 @@ from services.trainer.checkpoint import CheckpointStore, Journal, TrainState
 from services.trainer.config import TrainerConfig
 from services.trainer.data import BatchSource, PartSource
 from services.trainer.elastic import ElasticGroup, ReplicaSpec, combine_metrics
-from services.trainer.loss import LossSettings, tree_loss
+from services.trainer.loss import LossSettings, normalise_advantages, tree_loss
 
 WeightsSink = Callable[[common_pb2.WeightVersion, dict[str, float]], Awaitable[None]]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -70,6 +71,12 @@ def build_replica(
     ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     return model, optimizer, ref_model, LossSettings.from_config(cfg)
+
+
+def shard_loss_settings(settings: LossSettings) -> LossSettings:
+    """The loss settings of a micro-batch shard inside the trainer: batch advantage normalisation is
+    done once per step before the step is cut (Trainer.train_step), never per shard."""
+    return dataclasses.replace(settings, normalise_advantages=False)
 
 
 def train_on_shard(
@@ -130,6 +137,10 @@ class Trainer:
         self.model, self.optimizer, self.ref_model, self.loss_settings = build_replica(
             cfg, device=torch_device(cfg.device, None), seed=seed
         )
+        # Batch advantage normalisation is applied to the whole step before it is cut (train_step);
+        # the shards, here and on the other ranks (shard_loss_settings), must not divide again.
+        self.normalise_step = self.loss_settings.normalise_advantages
+        self.loss_settings = shard_loss_settings(self.loss_settings)
         self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
         self.device_index: dict[str, int] = {}  # leased device -> its index on its node (cuda:N)
         self.dp = ElasticGroup(self.model, self.optimizer, self.ref_model, self.replica_spec, self.move_rank0)
@@ -296,6 +307,7 @@ class Trainer:
         norm = StepNormaliser(self.cfg.streaming)
         pending: asyncio.Task[PackedBatch | None] | None = None
         num_micro = 0
+        step_rms: float | None = None
         part: PackedBatch | None = batch
         try:
             while part is not None:
@@ -304,6 +316,9 @@ class Trainer:
                 if self.cfg.streaming:  # the next part is pulled while this one trains
                     pending = asyncio.create_task(self.next_part(sum(p.num_tokens for p in step)))
                 grad_factor, weight_factor = norm.add(part)
+                if self.normalise_step:  # one RMS for the whole step, before it is cut
+                    part, rms = normalise_advantages(part.to("cpu", DTYPES[self.cfg.dtype]))
+                    step_rms = rms
                 micro_batches = part.micro_batches(self.cfg.micro_batch_tokens)
                 self.micro_left = len(micro_batches)
                 for micro in micro_batches:
@@ -346,6 +361,8 @@ class Trainer:
             num_parts=float(len(step)),
             step_s=time.perf_counter() - start,
         )
+        if step_rms is not None:
+            metrics["advantage_rms"] = step_rms
         if self.cfg.grad_clip:
             metrics["grad_norm"] = grad_norm
         num_paths = sum(p.num_paths for p in step)

@@ -28,10 +28,11 @@ The algorithm (why these terms; docs/trainer.md, "The RL algorithm"):
   credit makes small (progress per call ~ 1/horizon) and which shrinks as groups converge, and
   `entropy_coef` weighs the bonus against advantages of unit RMS. Unlike GRPO's per-group std
   (`trajectory.normalise_advantage_std`) it does not blow up the rare difference of a nearly
-  converged group relative to the others. It is computed over the batch `tree_loss` is given: the
-  whole step when the step is one micro-batch on one rank, else each shard (a rank's part of a
-  micro-batch) on its own, an estimate of the same RMS (it does not depend on the token-mean
-  normaliser), as per-minibatch normalisation in common PPO implementations.
+  converged group relative to the others. The trainer computes it over the whole step's batch and
+  scales the weights before cutting micro-batches and shards (`normalise_advantages`), so a step
+  is the same on any number of ranks and across a mid-step resize; `tree_loss` with the setting on
+  divides by the RMS of the batch it is given (the whole step in `examples/rl_loop.py`). A streamed
+  step does not know its whole batch when it starts, so `trainer.streaming` refuses this setting.
 - Entropy bonus: `entropy_coef` * H(pi(.|ancestors)) at every trained token (the full-vocabulary
   entropy, nats, token-mean weighted like the KL). Without it a peaked policy becomes
   deterministic on some wrong actions, every execution of a group then behaves alike, the group's
@@ -124,6 +125,21 @@ def advantage_rms(batch: PackedBatch) -> float:
         return 0.0
     a = (batch.weight_pos + batch.weight_neg)[trained].double() / kw
     return float(((kw * a * a).sum() / kw.sum()).sqrt())
+
+
+def normalise_advantages(batch: PackedBatch) -> tuple[PackedBatch, float]:
+    """`batch` with its policy-gradient weights (weight_pos, weight_neg) divided by its advantage RMS,
+    and that RMS (unchanged below ADVANTAGE_RMS_FLOOR). `tree_loss` of the result without
+    normalisation equals `tree_loss` of `batch` with it (the loss is linear in these weights), and
+    since the weights are scaled before the batch is cut, every micro-batch and data-parallel shard
+    of a step is divided by the same step-wide RMS: the step does not depend on how it is sharded."""
+    rms = advantage_rms(batch)
+    if rms <= ADVANTAGE_RMS_FLOOR:
+        return batch, rms
+    out = dict(batch.__dict__)
+    out["weight_pos"] = batch.weight_pos / rms
+    out["weight_neg"] = batch.weight_neg / rms
+    return PackedBatch(**out), rms
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

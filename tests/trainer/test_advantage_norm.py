@@ -91,3 +91,61 @@ def test_a_batch_without_advantages_is_not_scaled_and_the_entropy_bonus_is_not_d
 def test_the_trainer_config_field_reaches_the_loss_settings():
     assert LossSettings.from_config(TrainerConfig()).normalise_advantages is False
     assert LossSettings.from_config(TrainerConfig(normalise_batch_advantages=True)).normalise_advantages
+
+
+def test_a_step_is_normalised_as_a_whole_however_it_is_cut_into_micro_batches(tmp_path):
+    """The trainer divides by the step's RMS before cutting it: a step of several micro-batches equals
+    the loss of the whole batch with normalisation (as examples/rl_loop.py computes it), which a
+    division per micro-batch would not."""
+    import asyncio
+
+    from services.trainer.loop import Trainer
+    from tests.trainer.helpers import random_batch
+
+    batch = random_batch(7, num_nodes=24, batch_id="b0", num_roots=8)
+
+    class OneBatch:  # the outermost edge: stands in for the trajectory service
+        def __init__(self) -> None:
+            self.left = [batch]
+
+        async def pull(self, current_version: int, resume_batch_id: str = ""):
+            return self.left.pop(0) if self.left else None
+
+        async def ack(self, batch_id: str, version: int) -> None:
+            pass
+
+    def run(micro_batch_tokens: int) -> tuple[dict[str, float], Trainer]:
+        cfg = TrainerConfig(
+            dtype="float64",
+            device="cpu",
+            lr=1e-2,
+            checkpoint_every=100,
+            pull_wait_s=0,
+            micro_batch_tokens=micro_batch_tokens,
+            normalise_batch_advantages=True,
+        )
+        got: list[dict[str, float]] = []
+
+        async def sink(weights, metrics):
+            got.append(metrics)
+
+        trainer = Trainer(cfg, tmp_path / str(micro_batch_tokens), OneBatch(), sink, seed=0)
+        try:
+            asyncio.run(trainer.run(max_steps=1))
+        finally:
+            trainer.close()
+        return got[0], trainer
+
+    whole, one = run(10_000)
+    cut, many = run(40)
+    assert whole["num_micro_batches"] == 1 and cut["num_micro_batches"] >= 2
+    cfg = TrainerConfig(dtype="float64", device="cpu", checkpoint_every=100, normalise_batch_advantages=True)
+    fresh = Trainer(cfg, tmp_path / "fresh", OneBatch(), None, seed=0)  # type: ignore[arg-type]
+    settings = LossSettings.from_config(cfg)  # the whole batch, divided by its own RMS in tree_loss
+    expected, _ = tree_loss(fresh.model, batch.to("cpu", torch.float64), settings)
+    fresh.close()
+    assert whole["advantage_rms"] == pytest.approx(advantage_rms(batch.to("cpu", torch.float64)), rel=1e-9)
+    assert cut["loss"] == pytest.approx(whole["loss"], rel=1e-9)
+    assert whole["loss"] == pytest.approx(float(expected), rel=1e-9)
+    for a, b in zip(many.model.parameters(), one.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

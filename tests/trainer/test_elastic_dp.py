@@ -57,8 +57,9 @@ def _batches() -> list[PackedBatch]:
     return [random_batch(100 + i, num_nodes=24, batch_id=f"b{i}", num_roots=8) for i in range(NUM_STEPS)]
 
 
-def _trainer(run_dir, metrics: list[dict[str, float]]) -> Trainer:
+def _trainer(run_dir, metrics: list[dict[str, float]], normalise: bool = False) -> Trainer:
     cfg = TrainerConfig(
+        normalise_batch_advantages=normalise,
         dtype="float64",
         device="cpu",
         lr=1e-2,
@@ -87,14 +88,15 @@ def test_a_batch_is_cut_into_micro_batches_of_whole_trees_under_the_budget():
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-async def test_ranks_join_and_leave_mid_step_and_the_step_equals_one_rank(tmp_path):
+@pytest.mark.parametrize("normalise", [False, True], ids=["plain", "batch-normalised advantages"])
+async def test_ranks_join_and_leave_mid_step_and_the_step_equals_one_rank(tmp_path, normalise):
     reference_metrics: list[dict[str, float]] = []
-    reference = _trainer(tmp_path / "ref", reference_metrics)
+    reference = _trainer(tmp_path / "ref", reference_metrics, normalise)
     await reference.run(max_steps=NUM_STEPS)
     assert [m["dp_size"] for m in reference_metrics] == [1.0] * NUM_STEPS
 
     metrics: list[dict[str, float]] = []
-    elastic = _trainer(tmp_path / "elastic", metrics)
+    elastic = _trainer(tmp_path / "elastic", metrics, normalise)
     seen_sizes: list[int] = []
     seen_pids: set[int] = set()
     boundary = 0
