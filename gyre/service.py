@@ -279,7 +279,10 @@ async def _serve(
         await rpc.set_serving(health, True, ("", name))
         rt.state = State.SERVING
         STATE.labels(name).set(State.SERVING)
-        print(f"GYRE_READY {name} {port} {rt.metrics_port}", flush=True)
+        # One write with its newline: print() writes the text and the newline separately, and a log
+        # line from another thread landed between them once, so the launcher never saw the signal.
+        sys.stdout.write(f"GYRE_READY {name} {port} {rt.metrics_port}\n")
+        sys.stdout.flush()
         log.info("%s serving: grpc %s:%d, metrics %s:%d", name, args.host, port, args.host, rt.metrics_port)
 
         stop_wait = asyncio.create_task(stop_requested.wait())
