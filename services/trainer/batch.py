@@ -8,9 +8,11 @@ shard losses (and gradients) add up to the batch's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,21 +59,21 @@ class PackedBatch:
         return int(self.token_ids.shape[0])
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> PackedBatch:
-        """Float arrays in `dtype`, everything on `device`."""
-        out = dict(self.__dict__)
+        """Float arrays in `dtype`, everything on `device` (a new batch of the dataclass fields only:
+        attributes a caller hung on this one, like the trainer bench's `path_weights`, stay behind)."""
+        out: dict[str, Any] = {}
         for name in _PER_TOKEN:
             t = getattr(self, name)
             out[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-        return PackedBatch(**out)
+        return dataclasses.replace(self, **out)
 
     def scaled(self, factor: float) -> PackedBatch:
         """The same batch with weight_pos, weight_neg and kl_weight multiplied by `factor` (in their
         dtype: convert first with `to` for precision). The loss is linear in these weights, so its
         value and gradient scale by `factor` too."""
-        out = dict(self.__dict__)
-        for name in ("weight_pos", "weight_neg", "kl_weight"):
-            out[name] = getattr(self, name) * factor
-        return PackedBatch(**out)
+        return dataclasses.replace(
+            self, **{name: getattr(self, name) * factor for name in ("weight_pos", "weight_neg", "kl_weight")}
+        )
 
     def tree_ranges(self) -> list[tuple[int, int]]:
         """(first node, end node) of each tree: a root and the nodes after it up to the next root."""

@@ -48,6 +48,7 @@ carry the normalisation).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,10 +137,9 @@ def normalise_advantages(batch: PackedBatch) -> tuple[PackedBatch, float]:
     rms = advantage_rms(batch)
     if rms <= ADVANTAGE_RMS_FLOOR:
         return batch, rms
-    out = dict(batch.__dict__)
-    out["weight_pos"] = batch.weight_pos / rms
-    out["weight_neg"] = batch.weight_neg / rms
-    return PackedBatch(**out), rms
+    return dataclasses.replace(
+        batch, weight_pos=batch.weight_pos / rms, weight_neg=batch.weight_neg / rms
+    ), rms
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
