@@ -216,6 +216,29 @@ class Batcher:
         else:
             self.counters["batch_events_published"] += 1
 
+    async def _claim_ready_batch(
+        self, max_tokens: int, current: int | None, consumer: str
+    ) -> list[trajectory_pb2.BatchChunk] | None:
+        """The chunks of the oldest ready batch that fits `max_tokens` and the staleness bound, marked
+        delivered to `consumer`; None when there is none. A ready batch that does not fit this request
+        gives its groups back (scored again, packed anew by the caller). Lock held by the caller."""
+        while True:
+            b = await asyncio.to_thread(self.store.next_ready_batch)
+            if b is None:
+                return None
+            stale = (
+                current is not None
+                and b.min_version >= 0
+                and b.min_version < current - self.cfg.max_staleness
+            )
+            if b.num_tokens > max_tokens or stale:
+                groups = await asyncio.to_thread(self.store.release_batch, b.batch_id)
+                for gid in groups:
+                    self.state.groups[gid].state = "scored"
+                continue
+            if await asyncio.to_thread(self.store.mark_delivered, b.batch_id, consumer):
+                return decode_chunks(b.chunks)
+
     async def _pull_once(
         self, max_tokens: int, current: int | None, consumer: str
     ) -> tuple[list[trajectory_pb2.BatchChunk], TreeBatch | None]:
@@ -224,23 +247,9 @@ class Batcher:
         the trajectory's min_batch_fill and batch_max_wait_s shape every step, and wait_s is only
         how long the request may wait for such a batch."""
         async with self.commits.lock:
-            while True:
-                b = await asyncio.to_thread(self.store.next_ready_batch)
-                if b is None:
-                    break
-                stale = (
-                    current is not None
-                    and b.min_version >= 0
-                    and b.min_version < current - self.cfg.max_staleness
-                )
-                if b.num_tokens > max_tokens or stale:
-                    # Does not fit this request: give its groups back and pack anew below.
-                    groups = await asyncio.to_thread(self.store.release_batch, b.batch_id)
-                    for gid in groups:
-                        self.state.groups[gid].state = "scored"
-                    continue
-                if await asyncio.to_thread(self.store.mark_delivered, b.batch_id, consumer):
-                    return decode_chunks(b.chunks), None
+            claimed = await self._claim_ready_batch(max_tokens, current, consumer)
+            if claimed is not None:
+                return claimed, None
             if not self._enough(max_tokens, current):
                 await self._drop_stale(current)
                 return [], None
@@ -260,22 +269,9 @@ class Batcher:
         if step_tokens > 0 and step_tokens >= self.cfg.min_batch_fill * budget:
             return [], None, True
         async with self.commits.lock:
-            while True:
-                b = await asyncio.to_thread(self.store.next_ready_batch)
-                if b is None:
-                    break
-                stale = (
-                    current is not None
-                    and b.min_version >= 0
-                    and b.min_version < current - self.cfg.max_staleness
-                )
-                if b.num_tokens > max_tokens or stale:
-                    groups = await asyncio.to_thread(self.store.release_batch, b.batch_id)
-                    for gid in groups:
-                        self.state.groups[gid].state = "scored"
-                    continue
-                if await asyncio.to_thread(self.store.mark_delivered, b.batch_id, consumer):
-                    return decode_chunks(b.chunks), None, False
+            claimed = await self._claim_ready_batch(max_tokens, current, consumer)
+            if claimed is not None:
+                return claimed, None, False
             strict = step_tokens > 0
             packed = await self._build(max_tokens, current, "delivered", consumer, strict=strict)
             if packed is not None:

@@ -224,6 +224,25 @@ async def _parts_begun(trainer: Trainer, step: asyncio.Task[None], n: int) -> bo
     return trainer.step_parts >= n
 
 
+async def _two_scored_groups(traj: Trajectory) -> list:
+    """Publish the first two synthetic groups and wait until the service has scored both."""
+    groups = _groups()[:2]
+    for g in groups:
+        await traj.publish(g)
+
+    async def both_scored() -> bool:
+        return await traj.stat("groups_state_scored") == 2
+
+    await wait_for(both_scored)
+    return groups
+
+
+async def _part(traj: Trajectory, **kw: object) -> list[trajectory_pb2.BatchChunk]:
+    """One PullBatch with stream_part set, collected."""
+    req = trajectory_pb2.PullBatchRequest(consumer="trainer-0", stream_part=True, **kw)  # type: ignore[arg-type]
+    return [c async for c in traj.stub.PullBatch(req)]
+
+
 @pytest.mark.timeout(120)
 async def test_a_part_takes_a_group_at_once_and_a_full_step_is_answered_without_waiting(
     nats_url, database_url
@@ -233,33 +252,22 @@ async def test_a_part_takes_a_group_at_once_and_a_full_step_is_answered_without_
         nats_url, database_url, run_id, min_batch_fill=1.0, batch_max_wait_s=3600.0
     )
     try:
-        groups = _groups()[:2]
-        for g in groups:
-            await traj.publish(g)
-
-        async def both_scored() -> bool:
-            return await traj.stat("groups_state_scored") == 2
-
-        await wait_for(both_scored)
-
-        async def part(**kw: object) -> list[trajectory_pb2.BatchChunk]:
-            req = trajectory_pb2.PullBatchRequest(consumer="trainer-0", stream_part=True, **kw)  # type: ignore[arg-type]
-            return [c async for c in traj.stub.PullBatch(req)]
+        groups = await _two_scored_groups(traj)
 
         # the step's first part: a budget of 1 token still takes one group (a tree is never split)
-        first = await part(max_tokens=1, wait_s=0)
+        first = await _part(traj, max_tokens=1, wait_s=0)
         assert len({g for c in first for g in c.group_ids}) == 1
         assert first[0].normaliser > 0 and {c.normaliser for c in first} == {first[0].normaliser}
         tokens = sum(len(c.token_ids) for c in first)
         # later parts: the budget left is strict; the other group does not fit 1 token, so the step is
         # full and the answer comes without the hour's wait (the bound below is only a hang guard)
-        assert await asyncio.wait_for(part(max_tokens=1, step_tokens=tokens, wait_s=3600.0), 60) == []
+        assert await asyncio.wait_for(_part(traj, max_tokens=1, step_tokens=tokens, wait_s=3600.0), 60) == []
         assert await traj.stat("groups_state_scored") == 1  # left for the next step, not dropped
         # without stream_part the batching rules hold: the waiting group is below min_batch_fill
         assert [
             c async for c in traj.stub.PullBatch(trajectory_pb2.PullBatchRequest(consumer="trainer-0"))
         ] == []
-        second = await part(max_tokens=BUDGET, step_tokens=tokens, wait_s=0)
+        second = await _part(traj, max_tokens=BUDGET, step_tokens=tokens, wait_s=0)
         assert {g for c in second for g in c.group_ids} == {groups[1][0].group_id}
         assert await traj.stat("batch_parts_delivered") == 2
     finally:
@@ -272,28 +280,20 @@ async def test_a_streamed_step_is_full_once_its_parts_hold_what_a_whole_batch_wo
         nats_url, database_url, run_id, min_batch_fill=0.5, batch_max_wait_s=3600.0
     )
     try:
-        groups = _groups()[:2]
-        for g in groups:
-            await traj.publish(g)
+        groups = await _two_scored_groups(traj)
 
-        async def both_scored() -> bool:
-            return await traj.stat("groups_state_scored") == 2
-
-        await wait_for(both_scored)
-
-        async def part(**kw: object) -> list[trajectory_pb2.BatchChunk]:
-            req = trajectory_pb2.PullBatchRequest(consumer="trainer-0", stream_part=True, **kw)  # type: ignore[arg-type]
-            return [c async for c in traj.stub.PullBatch(req)]
-
-        first = await part(max_tokens=1, wait_s=0)
+        first = await _part(traj, max_tokens=1, wait_s=0)
         tokens = sum(len(c.token_ids) for c in first)
         # The step's budget is 2 x its tokens, so its parts already fill min_batch_fill (0.5): a
         # whole batch would hold no more. The other group fits, yet the step is answered full at
         # once (the bound is only a hang guard) and the group waits for the next step.
-        assert await asyncio.wait_for(part(max_tokens=tokens, step_tokens=tokens, wait_s=3600.0), 60) == []
+        assert (
+            await asyncio.wait_for(_part(traj, max_tokens=tokens, step_tokens=tokens, wait_s=3600.0), 60)
+            == []
+        )
         assert await traj.stat("groups_state_scored") == 1
         # With room for more than twice its tokens the same step takes the other group.
-        second = await part(max_tokens=BUDGET - tokens, step_tokens=tokens, wait_s=0)
+        second = await _part(traj, max_tokens=BUDGET - tokens, step_tokens=tokens, wait_s=0)
         assert {g for c in second for g in c.group_ids} == {groups[1][0].group_id}
     finally:
         await traj.stop()
