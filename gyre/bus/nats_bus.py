@@ -368,6 +368,10 @@ class Consumer(Generic[M]):
             if keepalive is not None:
                 keepalive.cancel()
 
+    def _redelivery_delay(self, num_delivered: int) -> float:
+        """Seconds before a nak'ed message is delivered again: doubling per delivery, capped."""
+        return min(self._nak_delay_s * 2 ** (num_delivered - 1), self._max_nak_delay_s)
+
     async def _ack(self, good: list[Msg]) -> None:
         for msg in good:
             await msg.ack()
@@ -382,7 +386,7 @@ class Consumer(Generic[M]):
             return
         self.stats.num_handler_errors += 1
         attempt = max(m.metadata.num_delivered for m in good)
-        delay = min(self._nak_delay_s * 2 ** (attempt - 1), self._max_nak_delay_s)
+        delay = self._redelivery_delay(attempt)
         log.error(
             "consumer %s: handler failed on a batch of %d (delivery %d); redelivering in %.2f s",
             self.durable,
@@ -418,7 +422,7 @@ class Consumer(Generic[M]):
                 CONSUMED.labels(self.durable, "term").inc()
             except Exception:
                 self.stats.num_handler_errors += 1
-                delay = min(self._nak_delay_s * 2 ** (msg.metadata.num_delivered - 1), self._max_nak_delay_s)
+                delay = self._redelivery_delay(msg.metadata.num_delivered)
                 log.exception(
                     "consumer %s: handler failed on one message; redelivering in %.2f s", self.durable, delay
                 )
