@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gyre.costmodel import CostModel
-from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy
+from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Role
 from services.scheduler.sim import builtin, load_workload_file, predict, simulate
 from services.scheduler.sim.cli import main as sim_main
 from services.scheduler.sim.compare import compare_seeds, interval, with_semantics
@@ -181,3 +181,50 @@ def test_every_command_in_the_simulator_doc_parses_and_names_a_real_workload() -
             assert (root / args.workload_file).is_file(), cmd
         else:
             assert args.workload in BUILTIN_WORKLOADS, cmd
+
+
+LIGHT_TAIL = SMALL.parent / "light_tail.yaml"
+
+
+def test_units_that_finish_a_role_change_together_all_take_executions() -> None:
+    # Colocate switches the whole pool at once; the router places the queued batch after every unit
+    # of that instant is up. Placing on the first unit alone packed the batch onto it until its KV
+    # was full (kv_peak 1.0, turns preempted) while the other 15 engines idled.
+    w = load_workload_file(LIGHT_TAIL)
+    r = simulate(w, ColocatePolicy())
+    assert r.num_preemptions == 0
+    assert r.kv_peak_share < 0.5
+
+
+def _two_engines_one_crowded(w: Workload) -> tuple[Simulation, list[int]]:
+    sim = Simulation(AsyncPolicy(2, staleness_bound=1), w, sample_executions(w), engine_capacity=8)
+    for u in sim.units[:2]:
+        u.role = Role.ROLLOUT
+    crowded, eids = sim.units[0], [0, 1, 2]
+    for eid in eids:
+        e = sim.execs[eid]
+        e.ctx = 20_000.0
+        sim._attach(e, crowded, sim.cost.kv_bytes(e.ctx))
+        crowded.decoding_ctx += e.ctx  # the other two decode while the first starts its turn
+    crowded.decoding_ctx -= sim.execs[0].ctx
+    return sim, eids
+
+
+def test_a_turn_moves_to_an_emptier_engine_when_the_decode_time_saved_pays_for_the_kv_copy() -> None:
+    w = _small()
+    sim, _ = _two_engines_one_crowded(w)
+    e = sim.execs[0]
+    sim._rebalance(e)
+    assert e.unit == 1 and sim.num_rebalanced == 1
+    assert e.ready_at == pytest.approx(sim.cost.migration_s(20_000.0))
+
+
+def test_a_turn_stays_when_the_kv_copy_costs_more_than_it_saves() -> None:
+    w = _small()
+    slow = w.model_copy(
+        update={"hardware": w.hardware.model_copy(update={"migration_bandwidth_bytes_s": 1.0})}
+    )
+    sim, _ = _two_engines_one_crowded(slow)
+    e = sim.execs[0]
+    sim._rebalance(e)
+    assert e.unit == 0 and sim.num_rebalanced == 0

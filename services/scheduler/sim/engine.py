@@ -21,7 +21,10 @@ execution reserves the KV of its context at the end of the turn; a unit never ho
 KV than its budget (`CostModel.kv_budget_bytes`) nor more executions than its max batch
 (`engine_capacity`). An execution whose next turn does not fit is preempted: migrated to a unit with
 room, else parked (offloaded to host and reloaded, both copies paid). The placement queue is FIFO
-(parked executions first) without bypass, so no execution starves. Batch k starts generating only
+(parked executions first) without bypass, so no execution starves; it is served after every event
+of the same instant (units that finish a role change together all take work). At each turn start
+after an environment wait the router may move the execution to the rollout unit where that turn
+decodes fastest, when the decode time saved (at the units' loads then) exceeds its KV copy. Batch k starts generating only
 when `may_start_batch(k, version, bound)` holds.
 
 Scoring (as the trajectory service): a group (one task's executions) is scored when all of them
@@ -99,11 +102,17 @@ class GroupCutoff:
 
 
 @dataclass(frozen=True)
+class Place:
+    """The router places queued executions, after every event of the same instant (so units that
+    finish a role change together are all seen, not the first one alone)."""
+
+
+@dataclass(frozen=True)
 class PlanTick:
     """The plan loop runs: the policy is asked once for every change since the last run."""
 
 
-Event = GenDone | EnvDone | CopyDone | Switched | RoundDone | GroupCutoff | PlanTick
+Event = GenDone | EnvDone | CopyDone | Switched | RoundDone | GroupCutoff | Place | PlanTick
 
 
 class Phase(StrEnum):
@@ -265,6 +274,8 @@ class Simulation:
         self.live_per_batch = [0] * len(self.batches)
         self.batch_version = [0] * len(self.batches)
         self.num_env = 0
+        self.place_pending = False
+        self.num_rebalanced = 0
 
     # --- event plumbing ---------------------------------------------------------------------------
     def _push(self, t: float, event: Event) -> None:
@@ -305,6 +316,9 @@ class Simulation:
                     self._on_round_done(token)
                 case GroupCutoff(step, task):
                     self._score_group(step, task)
+                case Place():
+                    self.place_pending = False
+                    self._fill_slots()
                 case PlanTick():
                     self._plan_now()
         return self._result()
@@ -476,7 +490,35 @@ class Simulation:
         if e.unit is None:  # parked during its environment wait: the next turn starts once placed
             e.phase = Phase.WAITING
             return
+        self._rebalance(e)
         self._start_turn(e)
+
+    def _rebalance(self, e: _Exec) -> None:
+        """The router's turn-start choice (the live router sends each generation request to its
+        least-loaded engine): move `e` to the rollout unit where its next turn decodes fastest when
+        the decode time saved, at the units' loads now, exceeds the KV copy it waits for. So an
+        engine that joins rollout takes work from crowded ones, and the longest contexts (the
+        costliest to keep together) spread first."""
+        u = self.units[e.unit]  # type: ignore[index]
+        obs, gen = e.plan.obs[e.turn], e.plan.gen[e.turn]
+        ctx = e.ctx + obs
+        need = self.cost.kv_bytes(ctx + gen)
+        here = self.cost.decode_step_s(u.decoding_ctx + ctx) * gen + max(0.0, u.stall_until - self.now)
+        copy = self.cost.migration_s(e.ctx)
+        best, best_s = None, here - copy
+        for d in self._rollout_units():
+            if d is u or not self._room(d, need):
+                continue
+            there = self.cost.decode_step_s(d.decoding_ctx + ctx) * gen + max(0.0, d.stall_until - self.now)
+            if there < best_s:
+                best, best_s = d, there
+        if best is None:
+            return
+        self._detach(e)
+        self._attach(e, best, need)
+        self.num_migrations += 1
+        self.num_rebalanced += 1
+        e.ready_at = self.now + copy
 
     def _finish(self, e: _Exec) -> None:
         self._detach(e)
@@ -611,7 +653,9 @@ class Simulation:
         u.target = None
         if to == Role.ROLLOUT and not self.colocate:
             u.stall_until = self.now  # it loads the newest weights while switching
-        self._fill_slots()
+        if to == Role.ROLLOUT and not self.place_pending:
+            self.place_pending = True
+            self._push(self.now, Place())
         self._train()
         self._plan()
 
@@ -811,7 +855,7 @@ class Simulation:
             timeline=self.timeline,
             utilization_series=[(t, b / w.num_devices) for t, b in self.util_events],
             snapshots=self.snapshots,
-            extra={"engine_slots": self.slots},
+            extra={"engine_slots": self.slots, "num_rebalanced": self.num_rebalanced},
         )
 
 
