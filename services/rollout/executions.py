@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gyre.pipeline_rules import groups_allowed
 from gyre.v1 import events_pb2
 
 from .agent import Agent, ExecutionOutcome, ExecutionSpec
@@ -75,10 +76,9 @@ class ExecutionManager:
         self._waiting: set[asyncio.Task[None]] = set()
 
     def groups_allowed(self) -> int | None:
-        """Groups that may have been started in total at the current version; None: unbounded."""
-        if self.groups_per_version <= 0:
-            return None
-        return self.groups_per_version * (self.latest_version + 1 + self.staleness_bound)
+        """Groups that may have been started in total at the current version; None: unbounded
+        (gyre.pipeline_rules.groups_allowed, the rule the simulator admits batches by)."""
+        return groups_allowed(self.groups_per_version, self.latest_version, self.staleness_bound)
 
     async def on_version(self, version: int) -> None:
         """A newer weight version is loaded: admit the groups it makes room for."""

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar
 
+# The admission rule every policy is built with (re-exported): one code path with the live rollout's.
+from gyre.pipeline_rules import may_start_batch as may_start_batch
+
 
 class Role(StrEnum):
     """What a device serves. Mirrors gyre.v1.DeviceRole (IDLE / ROLLOUT / TRAIN)."""
@@ -108,12 +111,6 @@ class Reassignment:
     device_id: str
     to_role: Role
     reason: str
-
-
-def may_start_batch(batch_index: int, latest_version: int, staleness_bound: int) -> bool:
-    """Admission rule shared by every policy: batch k is trained by step k (which publishes version
-    k + 1) and may start generating under version v only if k - v <= bound. Bound 0 is synchronous."""
-    return batch_index - latest_version <= staleness_bound
 
 
 class Policy(abc.ABC):

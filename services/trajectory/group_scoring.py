@@ -14,7 +14,6 @@ the configured range...) is marked ``rejected`` and logged; one with no generate
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from gyre.errors import InvalidArgument
+from gyre.pipeline_rules import group_ready
 from gyre.v1 import events_pb2
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.grouping import GroupResult, score_group
@@ -68,10 +68,8 @@ class GroupScoring:
             stored = len(tree.calls_by_execution.get(eid, {})) if tree else 0
             if info.ending is Ending.RUNNING or (info.num_calls is not None and stored < info.num_calls):
                 complete = False
-        if complete:
-            return True
-        waited = now - self.state.first_end.get(gid, math.inf)
-        return self.cfg.train_unfinished_after_s is not None and waited >= self.cfg.train_unfinished_after_s
+        # gyre.pipeline_rules.group_ready: the rule the simulator scores groups by.
+        return group_ready(complete, self.state.first_end.get(gid), now, self.cfg.train_unfinished_after_s)
 
     def outcome(self, eid: str) -> Outcome:
         """What the scorer sees of one execution: its ending, or its latest progress while it runs."""

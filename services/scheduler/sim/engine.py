@@ -45,8 +45,9 @@ from enum import StrEnum
 from typing import Any
 
 from gyre.costmodel import CostModel
+from gyre.pipeline_rules import cutoff_due_s, group_ready, may_start_batch
 from gyre.v1 import scheduler_pb2
-from services.scheduler.policies import DeviceState, Policy, PoolSnapshot, Role, may_start_batch
+from services.scheduler.policies import DeviceState, Policy, PoolSnapshot, Role
 from services.scheduler.sim.sample import ExecutionPlan
 from services.scheduler.sim.workload import Workload
 from services.scheduler.snapshot import pool_snapshot
@@ -165,6 +166,7 @@ class _Exec:
     in_turn: bool = False  # WAITING with its current turn's prompt already prefilled
     ready_at: float = 0.0  # KV copy to its current unit done at this time
     cut: bool = False  # scored partially; what it generates from now on is not trained
+    ended_at: float | None = None  # when its last turn ended
 
 
 @dataclass
@@ -228,6 +230,8 @@ class Simulation:
         self.groups_total = list(self.groups_left)
         self.group_scored: set[tuple[int, int]] = set()
         self.cutoff_armed: set[tuple[int, int]] = set()
+        self.first_end: dict[tuple[int, int], float] = {}  # group -> when its first execution ended
+        self.scored_log: list[tuple[int, int, float]] = []  # (step, task, time) of each group scored
         self.next_batch = 0
         self.queue: list[int] = []  # executions waiting for a unit, in order (no bypass)
         self.live = 0
@@ -315,7 +319,8 @@ class Simulation:
                 case RoundDone(token):
                     self._on_round_done(token)
                 case GroupCutoff(step, task):
-                    self._score_group(step, task)
+                    if self._group_ready((step, task)):
+                        self._score_group(step, task)
                 case Place():
                     self.place_pending = False
                     self._fill_slots()
@@ -523,22 +528,30 @@ class Simulation:
     def _finish(self, e: _Exec) -> None:
         self._detach(e)
         e.phase = Phase.DONE
+        e.ended_at = self.now
         self.live -= 1
         k = e.step
         self.live_per_batch[k] -= 1
         self.finish_times[k].append(self.now)
         key = (k, e.plan.task)
         if key not in self.group_scored:
-            members = self.groups[key]
-            if all(self.execs[i].phase == Phase.DONE for i in members):
+            self.first_end.setdefault(key, self.now)
+            if self._group_ready(key):
                 self._score_group(*key)
-            elif key not in self.cutoff_armed and self.sem.train_unfinished_after_s is not None:
-                self.cutoff_armed.add(key)
-                self._push(self.now + self.sem.train_unfinished_after_s, GroupCutoff(*key))
+            elif key not in self.cutoff_armed:
+                due = cutoff_due_s(self.first_end[key], self.sem.train_unfinished_after_s)
+                if due is not None:
+                    self.cutoff_armed.add(key)
+                    self._push(due, GroupCutoff(*key))
         self._fill_slots()
         self._plan()
 
     # --- scoring (as the trajectory service) -----------------------------------------------------------
+    def _group_ready(self, key: tuple[int, int]) -> bool:
+        """The trajectory service's rule (gyre.pipeline_rules.group_ready) on this group now."""
+        all_ended = all(self.execs[i].phase == Phase.DONE for i in self.groups[key])
+        return group_ready(all_ended, self.first_end.get(key), self.now, self.sem.train_unfinished_after_s)
+
     def _tokens_so_far(self, e: _Exec) -> tuple[float, float]:
         """(context tokens, generated tokens) of `e` now, counting the current turn's decoded part."""
         if e.phase != Phase.GEN:
@@ -551,6 +564,7 @@ class Simulation:
         if key in self.group_scored:
             return
         self.group_scored.add(key)
+        self.scored_log.append((k, task, self.now))
         flops = 0.0
         for i in self.groups[key]:
             e = self.execs[i]
