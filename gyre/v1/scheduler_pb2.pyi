@@ -40,7 +40,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, leases: _Optional[_Iterable[_Union[_common_pb2.Lease, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("live_executions", "queued_generations", "running_generations", "waiting_on_environment", "trainer_backlog_batches", "trainer_step_s", "weight_version", "engine_capacity", "trainer_backlog_groups", "trainer_step_in_progress", "trainer_remaining_work_device_s", "trainer_dp_size")
+    __slots__ = ("live_executions", "queued_generations", "running_generations", "waiting_on_environment", "trainer_backlog_batches", "trainer_step_s", "weight_version", "engine_capacity", "trainer_backlog_groups", "trainer_step_in_progress", "trainer_remaining_work_device_s", "trainer_dp_size", "engines")
     LIVE_EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class WorkerLoad(_message.Message):
     TRAINER_STEP_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     TRAINER_REMAINING_WORK_DEVICE_S_FIELD_NUMBER: _ClassVar[int]
     TRAINER_DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     live_executions: int
     queued_generations: int
     running_generations: int
@@ -65,7 +66,20 @@ class WorkerLoad(_message.Message):
     trainer_step_in_progress: bool
     trainer_remaining_work_device_s: float
     trainer_dp_size: int
-    def __init__(self, live_executions: _Optional[int] = ..., queued_generations: _Optional[int] = ..., running_generations: _Optional[int] = ..., waiting_on_environment: _Optional[int] = ..., trainer_backlog_batches: _Optional[int] = ..., trainer_step_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., engine_capacity: _Optional[int] = ..., trainer_backlog_groups: _Optional[int] = ..., trainer_step_in_progress: _Optional[bool] = ..., trainer_remaining_work_device_s: _Optional[float] = ..., trainer_dp_size: _Optional[int] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineLoad]
+    def __init__(self, live_executions: _Optional[int] = ..., queued_generations: _Optional[int] = ..., running_generations: _Optional[int] = ..., waiting_on_environment: _Optional[int] = ..., trainer_backlog_batches: _Optional[int] = ..., trainer_step_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., engine_capacity: _Optional[int] = ..., trainer_backlog_groups: _Optional[int] = ..., trainer_step_in_progress: _Optional[bool] = ..., trainer_remaining_work_device_s: _Optional[float] = ..., trainer_dp_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("device_id", "executions", "generating", "context_tokens")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
+    GENERATING_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    executions: int
+    generating: int
+    context_tokens: int
+    def __init__(self, device_id: _Optional[str] = ..., executions: _Optional[int] = ..., generating: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class ReportLoadRequest(_message.Message):
     __slots__ = ("worker_id", "load")

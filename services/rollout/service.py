@@ -306,6 +306,15 @@ class RolloutService(Service):
             running_generations=running,
             weight_version=min((e.weight_version for e in engines), default=0),
             engine_capacity=self.cfg.engine_max_batch,
+            engines=[
+                scheduler_pb2.EngineLoad(
+                    device_id=e.device_id,
+                    executions=e.num_active,
+                    generating=e.num_generating,
+                    context_tokens=e.context_tokens,
+                )
+                for e in engines
+            ],
         )
 
     def status(self) -> rollout_pb2.GetStatusResponse:

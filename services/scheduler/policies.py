@@ -39,13 +39,23 @@ class Role(StrEnum):
 @dataclass(frozen=True)
 class DeviceState:
     """One device (or, in the simulator, one engine-sized unit of devices) as the policy sees it: its
-    lease, nothing else (the live scheduler knows no per-device load)."""
+    lease and the load of the rollout engine on it, as that engine's worker last reported it
+    (`EngineLoad` in proto/gyre/v1/scheduler.proto, copied by `pool_snapshot`). The load fields are 0
+    on a device that runs no rollout engine, or whose engine no report names (a device moving, an
+    engine not started yet): the policy cannot tell "empty" from "unknown" there, and needs not,
+    since it lends only settled rollout devices."""
 
     device_id: str
     # Role it serves now; while `moving`, the role it is moving TO.
     role: Role
     # A handoff is in progress (draining, migrating, switching); the policy must leave it alone.
     moving: bool = False
+    # Executions resident on this device's engine: generation requests admitted or queued (count).
+    executions: int = 0
+    # Requests the engine is decoding right now (count).
+    generating: int = 0
+    # Tokens of context the engine's decoding requests hold (what lending it would migrate).
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,13 @@ def _still(snapshot: PoolSnapshot) -> list[DeviceState]:
     return sorted((d for d in snapshot.devices if not d.moving), key=lambda d: d.device_id)
 
 
+def _emptiest_first(devices: list[DeviceState]) -> list[DeviceState]:
+    """`devices` in lending order: fewest resident executions, then fewest context tokens, then the
+    highest device ID (a stable order when the loads tie, e.g. when none is reported)."""
+    by_id = sorted(devices, key=lambda d: d.device_id, reverse=True)
+    return sorted(by_id, key=lambda d: (d.executions, d.context_tokens))  # stable: keeps the ID order
+
+
 class ColocatePolicy(Policy):
     """The whole pool alternates: rollout until the batch is done, then train, then rollout again.
 
@@ -189,7 +206,7 @@ class AsyncPolicy(Policy):
 class ElasticPolicy(Policy):
     """Gyre's policy: a device that one side leaves idle serves the other, and comes back when needed.
 
-    It reads only the live snapshot (leases and load reports) and keeps no state beyond the roles in
+    It reads only the live snapshot (leases, worker and per-engine load reports) and keeps no state beyond the roles in
     the lease table; the same class runs in the scheduler service and in the simulator, with the
     same parameters on every workload (no per-workload tuning). Per snapshot, with L live
     executions, engine capacity c (the engine's max batch) and P devices:
@@ -203,9 +220,10 @@ class ElasticPolicy(Policy):
       does (training is on the critical path, `trainer_backlog >= 2`), borrowed devices go back down
       to the home split, `home_rollout_devices` (the operator's split; default half the pool, as
       the live Async default). In the tail (L below what rollout holds) rollout lends every device
-      a live execution does not need, one engine per execution, highest device IDs first (a stable
-      order: the scheduler has no per-engine load, so the executions on a lent engine are
-      live-migrated). It never packs executions to lend more.
+      a live execution does not need, one engine per execution, emptiest engines first (fewest
+      resident executions, then fewest context tokens, from the rollout's per-engine load reports;
+      ties by device ID, highest first), so an empty engine is lent before one whose executions
+      would have to be live-migrated. It never packs executions to lend more.
     - A move must pay for itself: optional moves (spreading, lending) happen only when the trainer's
       step cadence (`trainer_step_s`) exceeds `min_step_over_switch` role changes (`role_change_s`);
       on shorter steps Elastic holds its split like Async. Lending in the tail also needs trainer
@@ -302,9 +320,7 @@ class ElasticPolicy(Policy):
         lend = self.lendable(snapshot, have - target) if snapshot.trainer_wants_devices else 0
         if target < have and lend > 0:
             # Only settled rollout devices lend; the ones that stay must hold every live execution.
-            settled = sorted(
-                (d for d in still if d.role == Role.ROLLOUT), key=lambda d: d.device_id, reverse=True
-            )
+            settled = _emptiest_first([d for d in still if d.role == Role.ROLLOUT])
             cap = max(1, snapshot.engine_capacity)
             resident = max(0, snapshot.live_executions - snapshot.queued_generations)
             room = max(0, len(settled) - math.ceil(resident / cap))

@@ -8,6 +8,7 @@ sees in virtual time exactly the fields it sees live, and nothing more.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from gyre.v1 import scheduler_pb2
@@ -26,10 +27,12 @@ def pool_snapshot(
 
     Sums over workers where a count is per worker; the engine capacity is the smallest one reported
     (else `default_engine_capacity`); the latest version is the newest the trainer published and the
-    oldest live version the oldest any rollout still generates with."""
+    oldest live version the oldest any rollout still generates with. Each device takes the load of
+    the rollout engine reported on it (`WorkerLoad.engines`, matched by device_id; a device no
+    engine names keeps its zeros, an engine on a device not in `devices` is ignored)."""
     capacities = [x.engine_capacity for x in rollout if x.engine_capacity > 0]
     return PoolSnapshot(
-        devices=tuple(devices),
+        devices=_with_engine_loads(devices, rollout),
         live_executions=sum(x.live_executions for x in rollout),
         queued_generations=sum(x.queued_generations for x in rollout),
         running_generations=sum(x.running_generations for x in rollout),
@@ -43,4 +46,20 @@ def pool_snapshot(
         latest_version=max((x.weight_version for x in trainer), default=0),
         oldest_live_version=min((x.weight_version for x in rollout), default=0),
         staleness_bound=staleness_bound,
+    )
+
+
+def _with_engine_loads(
+    devices: Sequence[DeviceState], rollout: Sequence[scheduler_pb2.WorkerLoad]
+) -> tuple[DeviceState, ...]:
+    """`devices` with each one's engine load copied from the rollout reports (a device reported by
+    two workers, which the lease table rules out, takes the last report)."""
+    engines = {e.device_id: e for load in rollout for e in load.engines}
+    return tuple(
+        dataclasses.replace(
+            d, executions=e.executions, generating=e.generating, context_tokens=e.context_tokens
+        )
+        if (e := engines.get(d.device_id)) is not None
+        else d
+        for d in devices
     )

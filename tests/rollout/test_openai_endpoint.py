@@ -172,9 +172,14 @@ async def test_vllm_engine_protocol_against_gyres_own_endpoint(nats_url: str, tm
                 )
             )
         )
+        while remote.num_active == 0:  # noqa: ASYNC110 - polling a counter
+            await asyncio.sleep(0.005)
+        # What it reports to the scheduler: the prompt of the request in flight (generated tokens unknown).
+        assert remote.context_tokens == len(request.prompt_ids) and remote.num_generating == 1
         await asyncio.sleep(0.2)
         await remote.drain()
         assert (await pending).finish_reason == "cut"
+        assert (remote.num_active, remote.context_tokens) == (0, 0)
     finally:
         await remote.close()
         await stop_stack(bus, sink, router, server)

@@ -114,3 +114,71 @@ def test_the_engines_initial_weights_follow_the_runs_seed_as_the_trainers_do(tmp
     assert RolloutService(common, RolloutConfig.model_validate({})).init_seed == 5
     pinned = RolloutConfig.model_validate({"init_seed": 2})  # explicit: kept (and warned about)
     assert RolloutService(common, pinned).init_seed == 2
+
+
+async def test_the_load_the_scheduler_receives_has_one_engine_entry_per_engine_with_its_residents(
+    tmp_path,
+) -> None:
+    """`RolloutService._load` (what LeaseClient reports as WorkerLoad): one EngineLoad per engine of
+    the router, by device id, with the requests resident on it and the context they hold. The engines
+    are paced on a frozen clock (the outermost edge, time), so finished sequences stay admitted
+    until drained and the counts can be read without racing the engine loop."""
+    from gyre.config import CommonConfig
+    from gyre.model import ModelConfig
+    from gyre.pacing import Pacer, PacingConfig
+    from services.rollout.agent import Agent, AgentConfig
+    from services.rollout.config import RolloutConfig
+    from services.rollout.engines.base import GenerationRequest, Sampling
+    from services.rollout.engines.torch_engine import TorchEngine
+    from services.rollout.executions import ExecutionManager
+    from services.rollout.service import RolloutService, make_family
+    from services.rollout.steps import MemoryStepSink
+
+    frozen = 1000.0
+
+    async def no_sleep(_s: float) -> None:
+        return None
+
+    pacing = PacingConfig.model_validate(
+        {
+            "enabled": True,
+            "workload_file": str(ROOT / "examples" / "workloads" / "small.yaml"),
+            "time_scale": 10.0,
+        }
+    )
+    common = CommonConfig.model_validate({"run_id": "load", "run_dir": str(tmp_path)})
+    cfg = RolloutConfig.model_validate({"engine_max_batch": 4})
+    svc = RolloutService(common, cfg)
+    # What start() builds besides the bus: the execution manager (none started), on a real in-memory sink.
+    svc.executions = ExecutionManager(
+        Agent(svc.router, MemoryStepSink(), AgentConfig()), make_family(cfg, 0), run_id="load", seed=0,
+        max_live=cfg.max_live_executions, continuous=False,
+    )  # fmt: skip
+    engines = [
+        TorchEngine(f"e{i}", f"cpu0-{i}", ModelConfig.model_validate({}), max_batch=4,
+                    pacer=Pacer(pacing, clock=lambda: frozen, sleep=no_sleep))
+        for i in range(2)
+    ]  # fmt: skip
+    for engine in engines:
+        await engine.start()
+        await svc.router.add_engine(engine)
+    prompts = [[257, 65, 66, 261], [257, 70, 261]]
+    calls = [
+        asyncio.create_task(
+            engines[0].generate(GenerationRequest(f"r{i}", p, Sampling(max_tokens=3, stop_token_ids=())))
+        )
+        for i, p in enumerate(prompts)
+    ]
+    try:
+        while engines[0].tokens_generated < 6:  # noqa: ASYNC110 - polling a counter
+            await asyncio.sleep(0.005)
+        load = svc._load()
+        assert [(e.device_id, e.executions, e.generating, e.context_tokens) for e in load.engines] == [
+            ("cpu0-0", 2, 2, (4 + 3) + (3 + 3)),
+            ("cpu0-1", 0, 0, 0),
+        ]
+        assert load.running_generations == 2 and load.engine_capacity == 4
+    finally:
+        for device in list(svc.router.engines):
+            await svc.router.remove_engine(device)  # drained: the held sequences are cut
+    assert [(await c).finish_reason for c in calls] == ["cut", "cut"]

@@ -27,9 +27,21 @@ def _snap(
     moving: set[int] | None = None,
     step_s: float = 0.0,
     work_device_s: float = 0.0,
+    engines: dict[int, tuple[int, int]] | None = None,
 ) -> PoolSnapshot:
+    """`engines`: device index -> (resident executions, context tokens) of the engine on it."""
     moving = moving or set()
-    devices = tuple(DeviceState(f"d{i:02d}", r, moving=i in moving) for i, r in enumerate(roles))
+    engines = engines or {}
+    devices = tuple(
+        DeviceState(
+            f"d{i:02d}",
+            r,
+            moving=i in moving,
+            executions=engines.get(i, (0, 0))[0],
+            context_tokens=engines.get(i, (0, 0))[1],
+        )
+        for i, r in enumerate(roles)
+    )
     return PoolSnapshot(
         devices,
         live,
@@ -76,6 +88,30 @@ def test_elastic_lends_tail_devices_highest_ids_first_while_the_trainer_works() 
     moves = ElasticPolicy().plan(snap)
     assert sorted(m.device_id for m in moves) == ["d01", "d02", "d03"]
     assert all(m.to_role == Role.TRAIN for m in moves)
+
+
+def _critical_tail(engines: dict[int, tuple[int, int]]) -> PoolSnapshot:
+    """4 rollout engines hosting 4 live executions, 4 training devices with a later batch waiting and
+    400 s of work each: rollout goes back to its home split of 2 and lends the other 2 engines."""
+    roles = [Role.ROLLOUT] * 4 + [Role.TRAIN] * 4
+    return _snap(
+        roles, live=4, cap=4, backlog=2, busy=True, step_s=900.0, work_device_s=1600.0, engines=engines
+    )
+
+
+def test_elastic_lends_the_emptiest_engines_first() -> None:
+    # d00 is empty; d02 and d03 host one execution each, d02 the shorter context; d01 hosts two.
+    snap = _critical_tail({0: (0, 0), 1: (2, 9000), 2: (1, 800), 3: (1, 5000)})
+    moves = ElasticPolicy(home_rollout_devices=2).plan(snap)
+    assert [(m.device_id, m.to_role) for m in moves] == [("d00", Role.TRAIN), ("d02", Role.TRAIN)]
+
+
+def test_elastic_lends_by_device_id_highest_first_when_engine_loads_tie() -> None:
+    equal = _critical_tail({i: (1, 700) for i in range(4)})
+    assert [m.device_id for m in ElasticPolicy(home_rollout_devices=2).plan(equal)] == ["d03", "d02"]
+    # Equal executions, unequal context: the context decides before the ID does.
+    by_context = _critical_tail({0: (1, 100), 1: (1, 100), 2: (1, 700), 3: (1, 700)})
+    assert [m.device_id for m in ElasticPolicy(home_rollout_devices=2).plan(by_context)] == ["d01", "d00"]
 
 
 def test_elastic_keeps_tail_engines_while_the_trainer_waits_for_scored_groups() -> None:

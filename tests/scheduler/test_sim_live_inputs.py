@@ -94,3 +94,25 @@ def test_the_simulated_trainer_reports_the_work_it_can_do_now_as_the_live_one(re
     for s, (_, _, trainer_load) in snapshots:
         assert trainer_load.trainer_dp_size == s.trainer_dp_size
         assert s.trainer_dp_size % w.devices_per_unit == 0
+
+
+def test_the_simulated_rollout_reports_one_engine_load_per_settled_rollout_unit(recorded) -> None:
+    """`WorkerLoad.engines`: one entry per rollout unit not moving, which the snapshot copies onto that
+    device; so the equality above compares real per-engine loads, not zeros."""
+    _, _, snapshots = recorded
+    for s, (devices, rollout_load, _) in snapshots:
+        settled = {d.device_id for d in devices if d.role == Role.ROLLOUT and not d.moving}
+        assert [e.device_id for e in rollout_load.engines] == sorted(settled)
+        assert sum(e.generating for e in rollout_load.engines) <= rollout_load.running_generations
+        by_id = {d.device_id: d for d in s.devices}
+        for e in rollout_load.engines:
+            d = by_id[e.device_id]
+            assert (d.executions, d.generating, d.context_tokens) == (
+                e.executions,
+                e.generating,
+                e.context_tokens,
+            )
+            assert e.executions <= rollout_load.live_executions
+            assert (e.context_tokens > 0) == (e.executions > 0)
+    loaded = {d.executions for s, _ in snapshots for d in s.devices}
+    assert len(loaded) > 2  # engines differ in load, so the lending order is exercised

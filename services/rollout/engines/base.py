@@ -115,6 +115,18 @@ class Engine(abc.ABC):
         """Requests admitted or waiting on this engine."""
 
     @property
+    def num_generating(self) -> int:
+        """Requests the engine is decoding now (admitted to its batch, not waiting in its queue);
+        an engine that cannot tell reports every active request."""
+        return self.num_active
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens of context (prompt plus tokens generated so far) held by the requests the engine
+        is decoding now; 0 when the engine cannot tell."""
+        return 0
+
+    @property
     def tokens_generated(self) -> int:
         return 0
 

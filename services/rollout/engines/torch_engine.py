@@ -115,6 +115,16 @@ class TorchEngine(Engine):
         return len(self._queue) + len(self._running)
 
     @property
+    def num_generating(self) -> int:
+        """Sequences admitted to the decode batch (prefilled, holding a KV cache), at most max_batch."""
+        return len(self._running)
+
+    @property
+    def context_tokens(self) -> int:
+        """Positions the admitted sequences hold in their KV caches (prompt plus tokens so far)."""
+        return sum(s.next_position for s in self._running)
+
+    @property
     def tokens_generated(self) -> int:
         return self._tokens_generated
 

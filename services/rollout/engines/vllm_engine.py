@@ -55,6 +55,7 @@ class VLLMEngine(Engine):
         self._admit = asyncio.Event()
         self._admit.set()
         self._tokens = 0
+        self._prompt_tokens = 0  # prompt tokens of the requests in flight
 
     @property
     def state(self) -> EngineState:
@@ -67,6 +68,16 @@ class VLLMEngine(Engine):
     @property
     def num_active(self) -> int:
         return len(self._inflight)
+
+    # num_generating keeps the base default (every request in flight): which of them vLLM has
+    # scheduled is in its /metrics gauges only, an HTTP call, while these properties are read
+    # synchronously on every load report.
+
+    @property
+    def context_tokens(self) -> int:
+        """Prompt tokens of the requests in flight: a lower bound of their context, since the tokens
+        vLLM has generated so far arrive only with the (non-streamed) response."""
+        return self._prompt_tokens
 
     @property
     def tokens_generated(self) -> int:
@@ -124,6 +135,7 @@ class VLLMEngine(Engine):
             return Completion(finish_reason="cut", engine_ids=[self.engine_id])
         task = asyncio.create_task(self._complete(request, self._version))
         self._inflight.add(task)
+        self._prompt_tokens += len(request.prompt_ids)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -133,6 +145,7 @@ class VLLMEngine(Engine):
             raise
         finally:
             self._inflight.discard(task)
+            self._prompt_tokens -= len(request.prompt_ids)
 
     async def load_weights(self, weights: common_pb2.WeightVersion) -> None:
         if weights.version <= self._version:

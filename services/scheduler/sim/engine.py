@@ -689,10 +689,14 @@ class Simulation:
 
     # --- the policy's inputs: the live fields, through the live function -------------------------------------
     def loads(self) -> tuple[scheduler_pb2.WorkerLoad, scheduler_pb2.WorkerLoad]:
-        """What the rollout and the trainer would report to the scheduler now (proto WorkerLoad)."""
+        """What the rollout and the trainer would report to the scheduler now (proto WorkerLoad): the
+        rollout reports one EngineLoad per settled rollout unit (a moving one has no serving engine,
+        as a live engine being drained or started is not in the router), its context in tokens being
+        the KV the unit reserves over the KV bytes of one token."""
         oldest = next(
             (self.batch_version[k] for k, n in enumerate(self.live_per_batch) if n > 0), self.version
         )
+        kv_per_token = self.cost.model.kv_bytes_per_token
         rollout = scheduler_pb2.WorkerLoad(
             live_executions=self.live,
             queued_generations=len(self.queue),
@@ -700,6 +704,16 @@ class Simulation:
             waiting_on_environment=self.num_env,
             weight_version=oldest,
             engine_capacity=self.slots,
+            engines=[
+                scheduler_pb2.EngineLoad(
+                    device_id=u.device_id,
+                    executions=len(u.residents),
+                    generating=u.num_generating,
+                    context_tokens=round(u.kv_reserved / kv_per_token),
+                )
+                for u in self.units
+                if u.role == Role.ROLLOUT and not u.moving
+            ],
         )
         trainer = scheduler_pb2.WorkerLoad(
             trainer_backlog_batches=self._trainer_backlog(),
