@@ -6,27 +6,9 @@ instead of driving an environment through an engine); the ExecutionManager under
 
 from __future__ import annotations
 
-import asyncio
-
-from gyre.v1 import events_pb2
-from services.rollout.agent import ExecutionOutcome, ExecutionSpec, Progress
 from services.rollout.environments.longhorizon import LongHorizonFamily, LongHorizonSpec
 from services.rollout.executions import ExecutionManager
-
-
-class InstantAgent:
-    """Scripted agent: every execution finishes at once with reward 1 (a fake at the edge)."""
-
-    async def run(self, spec: ExecutionSpec, env: object) -> ExecutionOutcome:
-        await asyncio.sleep(0)
-        return ExecutionOutcome(
-            kind=events_pb2.ExecutionEvent.KIND_FINISHED, num_calls=1, progress=Progress(), reward=1.0
-        )
-
-
-async def settle() -> None:
-    for _ in range(50):
-        await asyncio.sleep(0)
+from tests.helpers.agents import InstantAgent, settle
 
 
 async def test_continuous_rollout_waits_for_a_new_weight_version_before_exceeding_the_bound() -> None:

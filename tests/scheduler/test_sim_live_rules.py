@@ -10,15 +10,12 @@ ready: ready then, and not ready an instant before.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from gyre.v1 import events_pb2
-from services.rollout.agent import ExecutionOutcome, ExecutionSpec, Progress
 from services.rollout.environments.longhorizon import LongHorizonFamily, LongHorizonSpec
 from services.rollout.executions import ExecutionManager
 from services.scheduler.policies import AsyncPolicy
@@ -29,23 +26,9 @@ from services.trajectory.config import TrajectoryConfig
 from services.trajectory.group_scoring import GroupScoring
 from services.trajectory.scoring import Ending
 from services.trajectory.state import ExecInfo, TrajectoryState
+from tests.helpers.agents import InstantAgent, settle
 
 SMALL = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "small.yaml"
-
-
-class InstantAgent:
-    """Scripted agent (a fake at the edge): every execution finishes at once."""
-
-    async def run(self, spec: ExecutionSpec, env: object) -> ExecutionOutcome:
-        await asyncio.sleep(0)
-        return ExecutionOutcome(
-            kind=events_pb2.ExecutionEvent.KIND_FINISHED, num_calls=1, progress=Progress(), reward=1.0
-        )
-
-
-async def _settle() -> None:
-    for _ in range(50):
-        await asyncio.sleep(0)
 
 
 @pytest.mark.parametrize("bound", [0, 1, 2])
@@ -68,7 +51,7 @@ async def test_live_and_simulated_admission_start_the_same_groups_at_every_versi
     try:
         for version in range(0, w.num_steps - bound - 1):
             await manager.on_version(version)
-            await _settle()
+            await settle()
             sim.version = version
             sim._admit()
             assert manager.groups_started == sim.next_batch * groups_per_batch
