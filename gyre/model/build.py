@@ -18,6 +18,10 @@ def _quiet_megatron_import() -> None:
 
 
 _PARALLEL_INIT_LOCK = threading.Lock()
+# One model is initialised at a time in a process: initialisation draws from torch's global RNG,
+# and engines start in worker threads, so two seeded builds at once interleaved their draws and
+# every engine got other weights than the trainer's version 0 (seen as KL ~2 at the first step).
+_BUILD_LOCK = threading.Lock()
 
 
 def ensure_model_parallel() -> None:
@@ -86,8 +90,10 @@ def build_model(
 ) -> Any:
     """A megatron-core `GPTModel` (local layer spec, our core attention), on `device` in `dtype`.
 
-    `seed` (optional) makes the random initialisation reproducible. Run it with the functions of
-    `gyre.model.forward` / `gyre.model.kv_cache` (they take each token's position id); Megatron's
+    `seed` (optional) makes the random initialisation reproducible: the same weights for the same
+    config and seed in every process, and in every thread however many builds run at once (builds
+    are serialised; the seeded draw happens on a forked CPU RNG, so the caller's global RNG state
+    is left as it was). Run it with the functions of `gyre.model.forward` / `gyre.model.kv_cache` (they take each token's position id); Megatron's
     own `GPTModel.forward` computes RoPE from the sequence index and asks CUDA for it.
     """
     ensure_model_parallel()
@@ -98,17 +104,18 @@ def build_model(
 
     spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
     spec.submodules.self_attention.submodules.core_attention = GyreCoreAttention
-    if seed is not None:
-        torch.manual_seed(seed)
-    model = GPTModel(
-        transformer_config(cfg),
-        spec,
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings,
-        position_embedding_type="rope" if cfg.position_embedding == "rope" else "learned_absolute",
-        rotary_base=int(cfg.rotary_base),
-        share_embeddings_and_output_weights=cfg.tie_embeddings,
-    )
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = GPTModel(
+            transformer_config(cfg),
+            spec,
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.max_position_embeddings,
+            position_embedding_type="rope" if cfg.position_embedding == "rope" else "learned_absolute",
+            rotary_base=int(cfg.rotary_base),
+            share_embeddings_and_output_weights=cfg.tie_embeddings,
+        )
     model.gyre_config = cfg
     return model.to(device=torch.device(device), dtype=dtype)
 

@@ -182,3 +182,21 @@ def test_malformed_tree_arrays_are_rejected(offsets, lengths, parents):
 def test_out_of_vocabulary_token_is_rejected(model64):
     with pytest.raises(InvalidArgument):
         causal_logits(model64, torch.tensor([[1, 512]]))
+
+
+def test_models_built_at_once_in_threads_with_one_seed_equal_the_one_built_alone():
+    # Rollout engines start in worker threads; the trainer builds its replica elsewhere with the
+    # same seed. Interleaved draws from torch's global RNG gave every engine other initial weights.
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = ModelConfig.model_validate({"init_std": 0.2})
+    alone = build_model(cfg, seed=3).state_dict()
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    with ThreadPoolExecutor(4) as pool:
+        built = list(pool.map(lambda _: build_model(cfg, seed=3), range(4)))
+    for model in built:
+        for name, value in model.state_dict().items():
+            if torch.is_tensor(value) and value.is_floating_point():
+                assert torch.equal(value, alone[name]), name
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is left as it was
