@@ -11,7 +11,10 @@ Guarantees:
 - Staleness bound: a generation is started (or resumed) only on an engine whose weight version
   is at least `latest_published - max_staleness`; if no engine qualifies, the request waits
   until one has loaded newer weights. `max_staleness < 0` disables the bound.
-- Placement: least-loaded eligible engine (ties broken by engine id, so runs are reproducible).
+- Placement: the eligible engine whose decoding requests hold the fewest context tokens (decode is
+  memory-bound, so that is the engine whose step a new request slows least, and long contexts
+  spread instead of piling up), then the fewest active requests, then the engine id (so runs are
+  reproducible). The simulator's router places by the same measure (reserved KV).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class Router:
             while True:
                 eligible = self._eligible()
                 if eligible:
-                    return min(eligible, key=lambda e: (e.num_active, e.engine_id))
+                    return min(eligible, key=lambda e: (e.context_tokens, e.num_active, e.engine_id))
                 self.stats.parked_waits += 1
                 await self._changed.wait()
 

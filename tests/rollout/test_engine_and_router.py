@@ -79,3 +79,25 @@ async def test_migration_mid_generation_is_token_exact_against_one_engine() -> N
         assert g.logprobs == pytest.approx(e.logprobs, abs=1e-4)
         assert g.finish_reason == "length" and len(g.versions) == 48
     assert any(len(c.engine_ids) > 1 for c in got)
+
+
+class _Loaded:
+    """An engine as the router's choice sees it (state, version, load); a stand-in for the choice
+    alone: no request is sent to it."""
+
+    def __init__(self, engine_id: str, active: int, context: int) -> None:
+        from services.rollout.engines.base import EngineState
+
+        self.engine_id, self.num_active, self.context_tokens = engine_id, active, context
+        self.state, self.weight_version = EngineState.SERVING, 0
+
+
+async def test_a_request_goes_to_the_engine_whose_decoding_holds_the_least_context() -> None:
+    router = Router()
+    # e0 decodes one long context, e1 three short ones: e1's decode step is the cheaper to join.
+    router.engines = {"d0": _Loaded("e0", 1, 9_000), "d1": _Loaded("e1", 3, 600)}  # type: ignore[dict-item]
+    assert (await router._pick()).engine_id == "e1"
+    router.engines["d1"] = _Loaded("e1", 3, 9_000)  # type: ignore[assignment]
+    assert (await router._pick()).engine_id == "e0"  # equal context: fewer active requests
+    router.engines["d1"] = _Loaded("e1", 1, 9_000)  # type: ignore[assignment]
+    assert (await router._pick()).engine_id == "e0"  # a full tie: the lower engine id
