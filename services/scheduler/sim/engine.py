@@ -499,8 +499,8 @@ class Simulation:
         self._start_turn(e)
 
     def _rebalance(self, e: _Exec) -> None:
-        """The router's turn-start choice (the live router sends each generation request to its
-        least-loaded engine): move `e` to the rollout unit where its next turn decodes fastest when
+        """The router's turn-start choice (the live router sends each generation request to the
+        engine decoding the least context): move `e` to the rollout unit where its next turn decodes fastest when
         the decode time saved, at the units' loads now, exceeds the KV copy it waits for. So an
         engine that joins rollout takes work from crowded ones, and the longest contexts (the
         costliest to keep together) spread first."""
