@@ -37,6 +37,7 @@ RUN if [ "$GYRE_EXTRAS" = "gpu" ]; then \
 
 COPY gyre ./gyre
 COPY services ./services
+COPY app ./app
 COPY proto ./proto
 COPY scripts ./scripts
 COPY examples ./examples

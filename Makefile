@@ -41,7 +41,7 @@ lint: $(STAMP) ## ruff lint, format check, and the import-linter layer contracts
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP) ## mypy over the runtime and the services
-	$(BIN)/mypy gyre services
+	$(BIN)/mypy gyre services app
 
 proto: $(STAMP) ## regenerate gyre/v1 stubs from proto/
 	$(BIN)/python scripts/gen_proto.py

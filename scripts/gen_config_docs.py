@@ -31,8 +31,8 @@ OUT = ROOT / "docs" / "configuration.md"
 
 # (YAML section, module, class name or None = the one top-level ConfigModel of the module)
 SECTIONS: tuple[tuple[str, str, str | None], ...] = (
-    ("launcher", "gyre.app.launcher.config", "LauncherConfig"),
-    ("job", "gyre.app.job.config", "JobConfig"),
+    ("launcher", "app.launcher.config", "LauncherConfig"),
+    ("job", "app.job.config", "JobConfig"),
     ("scheduler", "services.scheduler.config", None),
     ("trajectory", "services.trajectory.config", None),
     ("trainer", "services.trainer.config", None),
@@ -170,7 +170,7 @@ def _table(model: type[BaseModel], prefix: str = "") -> str:
 
 def render() -> str:
     """The whole of docs/configuration.md."""
-    from gyre.app.launcher.config import service_config_model
+    from app.launcher.config import service_config_model
     from gyre.config import CommonConfig
 
     parts = [HEADER, "## Top level (every component)", "", _table(CommonConfig), ""]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from gyre.app.analytics.flatten import flatten, one_line
-from gyre.app.analytics.tap import stream_filters
+from app.analytics.flatten import flatten, one_line
+from app.analytics.tap import stream_filters
 from gyre.bus import Bus, subjects
 from gyre.errors import InvalidArgument
 from gyre.v1 import common_pb2, events_pb2

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.app.job.eventlog import read_events
+from app.job.eventlog import read_events
 from gyre.bus import subjects
 from gyre.v1 import events_pb2
 from tests.helpers.stream import read_stream
@@ -27,7 +27,7 @@ from tests.helpers.stream import read_stream
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-GYRE = [sys.executable, "-c", "import sys; from gyre.app.cli import main; sys.exit(main())"]
+GYRE = [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())"]
 STEPS = 2
 MAX_TURNS = 4  # examples/byo_agent/agent.py
 

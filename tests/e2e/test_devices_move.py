@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gyre.app.job.eventlog import read_events
+from app.job.eventlog import read_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -66,7 +66,7 @@ def _run(policy: str, run_dir: Path) -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-c",
-            "import sys; from gyre.app.cli import main; sys.exit(main())",
+            "import sys; from app.cli import main; sys.exit(main())",
             "run",
             str(config),
             "--policy",

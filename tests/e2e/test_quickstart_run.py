@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.app.job.eventlog import read_events
+from app.job.eventlog import read_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -39,7 +39,7 @@ def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess
         [
             sys.executable,
             "-c",
-            "import sys; from gyre.app.cli import main; sys.exit(main())",
+            "import sys; from app.cli import main; sys.exit(main())",
             "run",
             "examples/quickstart.yaml",
             "--steps",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
+from app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
 from gyre.bus import subjects
 from gyre.v1 import common_pb2, events_pb2
 from services.scheduler.leases import DeviceInfo, LeaseBook, LeaseChange, MemoryLeaseStore

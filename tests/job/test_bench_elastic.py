@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre.app.cli.bench_elastic import live_tokens_per_group, run_config, verdicts
-from gyre.app.job.config import JobConfig
+from app.cli.bench_elastic import live_tokens_per_group, run_config, verdicts
+from app.job.config import JobConfig
 from gyre.config import load_common, load_section
 from gyre.workload import load_workload_file
 from services.rollout.config import RolloutConfig

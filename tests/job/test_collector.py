@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre.app.job.collector import EventCollector
-from gyre.app.job.eventlog import read_events
+from app.job.collector import EventCollector
+from app.job.eventlog import read_events
 from gyre.bus import Bus, subjects
 from gyre.v1 import common_pb2, events_pb2
 

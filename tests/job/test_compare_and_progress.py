@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from gyre.app.job import compare
-from gyre.app.job.eventlog import EVENT_LOG_NAME, read_events
-from gyre.app.job.progress import LiveProgress, RunTracker
+from app.job import compare
+from app.job.eventlog import EVENT_LOG_NAME, read_events
+from app.job.progress import LiveProgress, RunTracker
 
 
 def test_compare_prints_each_run_side_by_side(

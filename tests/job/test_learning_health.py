@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from gyre.app.job.analysis import STALL_WINDOW_STEPS, StepRow, detect_stall
-from gyre.app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, read_events, to_record
-from gyre.app.job.progress import LiveProgress, RunTracker
-from gyre.app.job.report import build_report, headline
+from app.job.analysis import STALL_WINDOW_STEPS, StepRow, detect_stall
+from app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, read_events, to_record
+from app.job.progress import LiveProgress, RunTracker
+from app.job.report import build_report, headline
 from gyre.v1 import common_pb2, events_pb2
 
 T0 = 1_800_000_000.0
@@ -176,7 +176,7 @@ def test_the_progress_panel_shows_health_and_warns_once_when_the_run_stalls(
 
 
 def test_a_group_teaches_nothing_only_when_its_rewards_agree_and_every_advantage_is_zero() -> None:
-    from gyre.app.job.analysis import teaches_nothing
+    from app.job.analysis import teaches_nothing
 
     assert teaches_nothing({})  # proto3 JSON omits zeros: equal rewards, no advantage
     assert not teaches_nothing({"reward_std": 0.2, "advantage_abs_max": 0.1})

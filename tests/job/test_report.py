@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gyre.app.job.analysis import analyse, bootstrap_mean, window_steps
-from gyre.app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, read_events, to_record
-from gyre.app.job.report import build_report
+from app.job.analysis import analyse, bootstrap_mean, window_steps
+from app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, read_events, to_record
+from app.job.report import build_report
 from gyre.v1 import events_pb2
 
 

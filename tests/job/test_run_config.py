@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from gyre.app.job.config import JobConfig
-from gyre.app.job.run import effective_config, prepare_run_dir
+from app.job.config import JobConfig
+from app.job.run import effective_config, prepare_run_dir
 from gyre.config import ConfigModel, load_common, load_section, load_yaml
 from gyre.errors import ConfigError
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
-SECTION_MODULES = {"job": "gyre.app.job.config", "launcher": "gyre.app.launcher.config"}
+SECTION_MODULES = {"job": "app.job.config", "launcher": "app.launcher.config"}
 
 
 def config_class(section: str) -> type[ConfigModel]:

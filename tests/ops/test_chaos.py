@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre.app.chaos import count_double_leases, plan_faults
-from gyre.app.job.report import OUTCOME_NAME, build_report, headline, incomplete_reason
+from app.chaos import count_double_leases, plan_faults
+from app.job.report import OUTCOME_NAME, build_report, headline, incomplete_reason
 from tests.job.conftest import write_synthetic_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_the_same_run_completed_is_judged_learned(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_a_trainer_killed_and_restarted_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path) -> None:
-    from gyre.app.exactly_once import run_probe
+    from app.exactly_once import run_probe
 
     result = run_probe(tmp_path / "probe", ROOT / "examples" / "quickstart.yaml", steps=6, seed=1)
     assert result["trainer_killed_exit"] == -9  # it really was SIGKILLed mid-run
@@ -89,7 +89,7 @@ def test_a_trainer_killed_and_restarted_ends_bitwise_equal_to_an_uninterrupted_o
 def test_a_job_whose_rollout_is_killed_restarts_it_and_completes_losing_nothing(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "gyre.app.chaos", "examples/quickstart.yaml", "--json", "--steps", "5"]
+        [sys.executable, "-m", "app.chaos", "examples/quickstart.yaml", "--json", "--steps", "5"]
         + ["--targets", "rollout", "--run-dir", str(tmp_path / "run")],
         cwd=ROOT,
         env=env,

@@ -44,7 +44,7 @@ def test_compose_runs_nats_with_jetstream_and_postgres_with_pg_isready() -> None
 @pytest.mark.parametrize("name", SERVICES)
 def test_every_compose_service_has_a_grpc_healthcheck_and_waits_for_healthy_dependencies(name: str) -> None:
     service = _compose()["services"][name]
-    assert "gyre.app.launcher.healthcheck" in service["healthcheck"]["test"]
+    assert "app.launcher.healthcheck" in service["healthcheck"]["test"]
     assert service["command"][:3] == ["python", "-m", f"services.{name}"]
     depends = service["depends_on"]
     assert {"nats", "postgres"} <= set(depends)
@@ -127,7 +127,7 @@ def _probed_ports(probe: dict[str, Any]) -> set[int]:
     if "grpc" in probe:
         return {probe["grpc"]["port"]}
     command = probe["exec"]["command"]
-    assert command[:3] == ["python", "-m", "gyre.app.launcher.healthcheck"]
+    assert command[:3] == ["python", "-m", "app.launcher.healthcheck"]
     return {int(address.rsplit(":", 1)[1]) for address in command[3].split(",")}
 
 
@@ -205,7 +205,7 @@ def test_every_compose_container_restarts_when_it_exits(name: str) -> None:
 @pytest.mark.parametrize("name", SERVICES)
 @pytest.mark.parametrize("where", ["compose", "k8s"])
 def test_services_find_each_other_through_their_own_address_fields(name: str, where: str) -> None:
-    from gyre.app.launcher.config import service_config_model
+    from app.launcher.config import service_config_model
 
     model = service_config_model(name)
     assert model is not None, f"services/{name}/config.py has no config model"

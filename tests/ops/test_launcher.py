@@ -24,7 +24,7 @@ import psutil
 import pytest
 import yaml
 
-from gyre.app.launcher.config import SERVICE_ORDER
+from app.launcher.config import SERVICE_ORDER
 
 pytestmark = pytest.mark.integration
 
@@ -173,7 +173,7 @@ def test_gyre_up_check_starts_every_service_verifies_health_and_metrics_and_leav
 def test_a_service_that_dies_while_starting_fails_the_start_with_its_log_and_stops_the_rest(
     tmp_path: Path, nats_url: str, database_url: str
 ) -> None:
-    from gyre.app.launcher import Deployment, DeploymentError
+    from app.launcher import Deployment, DeploymentError
 
     marker = uuid.uuid4().hex
     started = LIGHT  # the first one starts and must be stopped again; the last one fails

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gyre.app.launcher.config import LauncherConfig, address_overrides, service_config_model
-from gyre.app.launcher.deployment import Deployment
+from app.launcher.config import LauncherConfig, address_overrides, service_config_model
+from app.launcher.deployment import Deployment
 from gyre.errors import ConfigError
 
 

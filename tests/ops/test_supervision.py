@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gyre.app.launcher.healthcheck import check
-from gyre.app.launcher.process import RestartPolicy
+from app.launcher.healthcheck import check
+from app.launcher.process import RestartPolicy
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +73,7 @@ def test_restart_backoff_doubles_up_to_its_bound_and_the_budget_is_counted() -> 
 def test_a_killed_service_is_restarted_on_the_same_address_and_the_restart_is_counted(
     tmp_path: Path, nats_url: str, database_url: str
 ) -> None:
-    from gyre.app.launcher import Deployment
+    from app.launcher import Deployment
 
     with Deployment(_config(tmp_path), nats_url=nats_url, database_url=database_url) as deployment:
         before = deployment.endpoints.services[LIGHT]
@@ -97,7 +97,7 @@ def test_a_killed_service_is_restarted_on_the_same_address_and_the_restart_is_co
 def test_a_service_that_spends_its_restart_budget_is_given_up_and_reported(
     tmp_path: Path, nats_url: str, database_url: str
 ) -> None:
-    from gyre.app.launcher import Deployment, DeploymentError
+    from app.launcher import Deployment, DeploymentError
 
     config = _config(tmp_path, max_restarts=1)
     with Deployment(config, nats_url=nats_url, database_url=database_url) as deployment:
@@ -116,7 +116,7 @@ def test_a_service_that_spends_its_restart_budget_is_given_up_and_reported(
 def test_with_restarts_off_a_dead_service_is_reported_with_its_log(
     tmp_path: Path, nats_url: str, database_url: str
 ) -> None:
-    from gyre.app.launcher import Deployment, DeploymentError
+    from app.launcher import Deployment, DeploymentError
 
     config = _config(tmp_path, restart=False)
     with Deployment(config, nats_url=nats_url, database_url=database_url) as deployment:
@@ -133,7 +133,7 @@ def test_with_restarts_off_a_dead_service_is_reported_with_its_log(
 def test_a_killed_embedded_nats_server_comes_back_on_its_port_with_its_streams_and_clients_resume(
     tmp_path: Path, database_url: str
 ) -> None:
-    from gyre.app.launcher import Deployment
+    from app.launcher import Deployment
     from gyre.bus import Bus
 
     async def publish_and_count(url: str, bus: Bus | None, subject: str, msg_id: str) -> tuple[Bus, int]:
@@ -149,7 +149,7 @@ def test_a_killed_embedded_nats_server_comes_back_on_its_port_with_its_streams_a
         info = await bus.js.stream_info("GYRE_METRICS", subjects_filter=subject)
         return bus, int(sum((info.state.subjects or {}).values()))
 
-    from gyre.app.launcher.credentials import RunCredentials
+    from app.launcher.credentials import RunCredentials
 
     with Deployment(_config(tmp_path), database_url=database_url) as deployment:
         nats = deployment.embedded("nats")

@@ -15,8 +15,8 @@ import psycopg
 import pytest
 import yaml
 
+from app.launcher import Deployment
 from gyre import rpc
-from gyre.app.launcher import Deployment
 from gyre.bus import Bus, auth, subjects
 from gyre.errors import Unavailable
 from gyre.v1 import events_pb2, trajectory_pb2, trajectory_pb2_grpc
@@ -117,7 +117,7 @@ async def _check_grpc(address: str, token: str) -> None:
 
 
 def test_run_credentials_are_private_reused_and_completed(tmp_path: Path) -> None:
-    from gyre.app.launcher.credentials import RunCredentials
+    from app.launcher.credentials import RunCredentials
 
     first = RunCredentials.load_or_create(tmp_path)
     assert set(first.nats) == set(auth.ROLES) and set(first.postgres) == set(auth.SERVICE_ROLES)

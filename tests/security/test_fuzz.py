@@ -2,7 +2,7 @@
 
 from hypothesis import strategies as st
 
-from gyre.app.fuzz import TargetReport, all_targets, fuzz, run_target
+from app.fuzz import TargetReport, all_targets, fuzz, run_target
 
 
 def test_a_short_fuzz_run_reaches_every_target_and_finds_no_crash_and_no_lost_step() -> None:

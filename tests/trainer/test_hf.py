@@ -106,7 +106,7 @@ def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_
     """
     import transformers
 
-    from gyre.app.job.eventlog import read_events
+    from app.job.eventlog import read_events
     from gyre.bus import subjects
     from gyre.model import build_model, load_weights
     from gyre.model.hf import read_hf_config
@@ -126,7 +126,7 @@ def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_
     )
     proc = subprocess.run(
         [
-            *(sys.executable, "-c", "import sys; from gyre.app.cli import main; sys.exit(main())"),
+            *(sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())"),
             *("run", "examples/hf_model.yaml", "--run-dir", str(run_dir)),
         ],
         cwd=ROOT,

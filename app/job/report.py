@@ -1,9 +1,9 @@
 """The run report: `run_dir/report.md`, `run_dir/summary.json` and PNG plots, from `events.jsonl` alone.
 
-It depends on nothing but the event log (see `gyre.app.job.eventlog`), so a report can be rebuilt
+It depends on nothing but the event log (see `app.job.eventlog`), so a report can be rebuilt
 for any run directory, long after the services are gone:
 
-    python -m gyre.app.job.report runs/quickstart
+    python -m app.job.report runs/quickstart
 
 `summary.json` holds the headline numbers in machine-readable form (`gyre compare` reads it).
 """
@@ -20,9 +20,9 @@ from typing import Any
 
 import yaml
 
-from gyre.app.job import plots
-from gyre.app.job.analysis import LEARNED_RULE, STALL_RULE, Interval, RunAnalysis, analyse
-from gyre.app.job.eventlog import EVENT_LOG_NAME, read_events
+from app.job import plots
+from app.job.analysis import LEARNED_RULE, STALL_RULE, Interval, RunAnalysis, analyse
+from app.job.eventlog import EVENT_LOG_NAME, read_events
 
 REPORT_NAME = "report.md"
 SUMMARY_NAME = "summary.json"
@@ -397,9 +397,7 @@ def build_report(run_dir: Path, *, extra: dict[str, Any] | None = None, seed: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m gyre.app.job.report", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m app.job.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="run directory holding events.jsonl")
     args = parser.parse_args(argv)
     try:

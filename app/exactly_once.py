@@ -113,7 +113,7 @@ async def _train(run_dir: Path, trainer_section: dict[str, Any], steps: int, see
 def _spawn(run_dir: Path, config: Path, steps: int, seed: int) -> subprocess.Popen[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
-        [sys.executable, "-m", "gyre.app.exactly_once", "--train", str(run_dir), "--config", str(config)]
+        [sys.executable, "-m", "app.exactly_once", "--train", str(run_dir), "--config", str(config)]
         + ["--steps", str(steps), "--seed", str(seed)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -168,9 +168,7 @@ def run_probe(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m gyre.app.exactly_once", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m app.exactly_once", description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True, help="run YAML whose trainer: section is used")
     parser.add_argument("--steps", type=int, default=8, help="trainer steps (batches) of each trainer")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batches, the model and the kill")

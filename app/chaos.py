@@ -27,7 +27,7 @@ trainer's final checkpoint:
                          started, no end event when it died) whose group was never scored: neither
                          ended nor trained as partial (executions_orphaned: all of them, scored or not)
     completed            the job reached its steps; `learned` (+ reward delta): the report's verdict
-    trainer_bitwise_equal  the exactly-once probe (gyre.app.exactly_once): a trainer SIGKILLed and
+    trainer_bitwise_equal  the exactly-once probe (app.exactly_once): a trainer SIGKILLed and
                          restarted ends bitwise equal to an uninterrupted one fed the same batches
 
 Exit status 0 when completed, every loss counter is 0, every fault recovered and the trainer is
@@ -86,7 +86,7 @@ def plan_faults(targets: list[str], num_steps: int, rng: random.Random) -> list[
 
 
 def _all_serving(deployment: Any) -> bool:
-    from gyre.app.launcher.healthcheck import check
+    from app.launcher.healthcheck import check
 
     return all(
         check(ep.grpc_address, timeout_s=2.0) == "SERVING"
@@ -220,7 +220,7 @@ def tally(
 ) -> dict[str, Any]:
     """The run's loss counters (module docstring) from its event log, counters, checkpoint and the
     trajectory's batch table (`batches_in_store`, read before the deployment stopped)."""
-    from gyre.app.job.eventlog import read_events
+    from app.job.eventlog import read_events
 
     by_type: dict[str, list[dict[str, Any]]] = {}
     for record in read_events(run_dir / "events.jsonl"):
@@ -296,9 +296,9 @@ def run_chaos(
     """Run the job with faults injected and return every number (module docstring)."""
     import yaml
 
-    from gyre.app.exactly_once import run_probe
-    from gyre.app.job.config import JobConfig
-    from gyre.app.job.run import (
+    from app.exactly_once import run_probe
+    from app.job.config import JobConfig
+    from app.job.run import (
         CONFIG_NAME,
         drive,
         effective_config,
@@ -306,7 +306,7 @@ def run_chaos(
         prepare_run_dir,
         service_wiring,
     )
-    from gyre.app.launcher.deployment import Deployment
+    from app.launcher.deployment import Deployment
     from gyre.config import load_common, load_section
 
     raw = effective_config(config_path, policy=None, steps=steps, run_dir=run_dir)

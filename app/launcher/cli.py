@@ -1,7 +1,7 @@
 """`gyre up [--config FILE] [--check] [--service NAME ...] [--host H] [--port NAME=PORT ...]`: run a deployment.
 
 Starts NATS and Postgres (embedded unless GYRE_NATS_URL / GYRE_DATABASE_URL or the config name
-external ones) and every service as its own process (gyre.app.launcher.deployment), prints the
+external ones) and every service as its own process (app.launcher.deployment), prints the
 endpoints and serves until Ctrl-C / SIGTERM, then stops everything in reverse order; meanwhile it
 restarts a service that exits (launcher.restart, with backoff and a restart budget). With --check
 it verifies that every service is healthy and serves /metrics, stops, and exits 0. `--port` and
@@ -78,7 +78,7 @@ def endpoints_table(endpoints: object) -> object:
     """A rich Table of a deployment's endpoints."""
     from rich.table import Table
 
-    from gyre.app.launcher.endpoints import Endpoints
+    from app.launcher.endpoints import Endpoints
 
     assert isinstance(endpoints, Endpoints)
     table = Table(title=f"gyre run {endpoints.run_id} — {endpoints.run_dir}")
@@ -124,8 +124,8 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
 
-    from gyre.app.launcher.deployment import Deployment, DeploymentError
-    from gyre.app.launcher.healthcheck import check
+    from app.launcher.deployment import Deployment, DeploymentError
+    from app.launcher.healthcheck import check
 
     console = Console(stderr=True)
     stop_requested = threading.Event()

@@ -1,4 +1,4 @@
-"""A gRPC health probe usable from a shell: `python -m gyre.app.launcher.healthcheck HOST:PORT[,HOST:PORT...] [SERVICE]`.
+"""A gRPC health probe usable from a shell: `python -m app.launcher.healthcheck HOST:PORT[,HOST:PORT...] [SERVICE]`.
 
 Exit status 0 when the server (every server, for a comma-separated list: one pod or container
 hosting several services) answers the standard `grpc.health.v1.Health/Check` with SERVING,
@@ -32,7 +32,7 @@ def check(address: str, service: str = "", timeout_s: float = 3.0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gyre.app.launcher.healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m app.launcher.healthcheck", description=__doc__)
     parser.add_argument(
         "address", help="HOST:PORT of the gRPC server; several, comma-separated: all must serve"
     )

@@ -29,8 +29,8 @@ from typing import Any
 
 import yaml
 
-from gyre.app.job.analysis import analyse, event_time
-from gyre.app.job.eventlog import read_events
+from app.job.analysis import analyse, event_time
+from app.job.eventlog import read_events
 from gyre.pacing import busy_device_s, load_busy_log
 
 

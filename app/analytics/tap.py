@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError, Message
 from nats.aio.msg import Msg
 from nats.js import api
 
-from gyre.app.analytics.flatten import Scalar, flatten
+from app.analytics.flatten import Scalar, flatten
 from gyre.bus import Bus, subjects
 from gyre.errors import InvalidArgument
 

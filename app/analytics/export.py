@@ -1,4 +1,4 @@
-"""Events -> a table (pyarrow): one row per event, columns from gyre.app.analytics.flatten.
+"""Events -> a table (pyarrow): one row per event, columns from app.analytics.flatten.
 
 Columns are the union over all events; a column an event type does not have is null in its rows.
 A column whose values mix types across event types (rare) is stored as text.
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from gyre.app.analytics.tap import EventRecord
+from app.analytics.tap import EventRecord
 
 FORMATS = ("parquet", "csv", "jsonl")
 

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gyre.app.analytics import tap
-from gyre.app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
+from app.analytics import tap
+from app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
 from gyre.bus import Bus, subjects
 
-log = logging.getLogger("gyre.app.job.collector")
+log = logging.getLogger("app.job.collector")
 
 Record = dict[str, Any]
 

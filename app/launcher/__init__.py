@@ -6,7 +6,7 @@ then starts each service as its own OS process group, in dependency order, and w
 is serving. `gyre up` is a thin command around it; `gyre run` builds on it.
 """
 
-from gyre.app.launcher.endpoints import Endpoints, ServiceEndpoint
+from app.launcher.endpoints import Endpoints, ServiceEndpoint
 
 __all__ = ["Deployment", "DeploymentError", "Endpoints", "ServiceEndpoint"]
 
@@ -14,7 +14,7 @@ __all__ = ["Deployment", "DeploymentError", "Endpoints", "ServiceEndpoint"]
 def __getattr__(name: str) -> object:
     # Deployment pulls in the embedded servers and the store; import it only when asked for.
     if name in {"Deployment", "DeploymentError"}:
-        from gyre.app.launcher import deployment
+        from app.launcher import deployment
 
         return getattr(deployment, name)
     raise AttributeError(name)

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from gyre.app.job.config import JobConfig
+from app.job.config import JobConfig
 
 if TYPE_CHECKING:
-    from gyre.app.job.report import Report
+    from app.job.report import Report
 from gyre.config import load_common, load_section, load_yaml
 from gyre.errors import ConfigError, GyreError
 
@@ -120,7 +120,7 @@ def service_wiring(raw: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str,
     the config leaves unset is given that address through `GYRE_<SECTION>__<FIELD>` in the services'
     environment. Returns (service_args, extra_env) for `Deployment`.
     """
-    from gyre.app.launcher.config import LauncherConfig
+    from app.launcher.config import LauncherConfig
 
     launcher = load_section(LauncherConfig, "launcher", data=raw)
     ports = {name: _free_port(launcher.host) for name in launcher.services}
@@ -255,8 +255,8 @@ async def drive(
 
     `sidecar(tracker)` (e.g. `gyre chaos`'s fault injector) runs beside the job from the start; the
     job counts as done only once it has returned too (an exception of it ends the job)."""
-    from gyre.app.job.collector import EventCollector
-    from gyre.app.job.progress import LiveProgress, RunTracker
+    from app.job.collector import EventCollector
+    from app.job.progress import LiveProgress, RunTracker
     from gyre.bus import Bus
 
     endpoints = deployment.endpoints
@@ -340,7 +340,7 @@ def _print_headline(lines: list[str]) -> None:
 def finish_run(out_dir: Path, outcome: JobOutcome, *, wall_s: float, seed: int) -> Report:
     """Write final_stats.json and the outcome file, then the report (returned; ValueError when there
     is nothing to report on). The one ending of a job, for `gyre run` and `gyre chaos` alike."""
-    from gyre.app.job.report import OUTCOME_NAME, build_report
+    from app.job.report import OUTCOME_NAME, build_report
 
     (out_dir / FINAL_STATS_NAME).write_text(json.dumps(outcome.final_stats, indent=2, sort_keys=True) + "\n")
     (out_dir / OUTCOME_NAME).write_text(
@@ -365,8 +365,8 @@ def run_job(
     config_path: Path, *, policy: str | None = None, steps: int | None = None, run_dir: Path | None = None
 ) -> int:
     """Run one job end to end (see the module docstring); return the exit status."""
-    from gyre.app.job.report import headline
-    from gyre.app.launcher.deployment import Deployment, DeploymentError
+    from app.job.report import headline
+    from app.launcher.deployment import Deployment, DeploymentError
 
     raw = effective_config(config_path, policy=policy, steps=steps, run_dir=run_dir)
     common = load_common(data=raw)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from gyre.errors import ConfigError, GyreError
 
 if TYPE_CHECKING:
-    from gyre.app.analytics.tap import EventRecord
+    from app.analytics.tap import EventRecord
 
 DEFAULT_FILTER = "gyre.>"
 
@@ -30,7 +30,7 @@ def resolve_nats_url(nats_url: str | None, config: str | None, run_dir: str | No
         return nats_url
     if os.environ.get("GYRE_NATS_URL"):
         return os.environ["GYRE_NATS_URL"]
-    from gyre.app.launcher.endpoints import Endpoints
+    from app.launcher.endpoints import Endpoints
     from gyre.config import load_common
 
     common = load_common(config)
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _format(record: EventRecord, as_json: bool) -> str:
-    from gyre.app.analytics.flatten import flatten, one_line
+    from app.analytics.flatten import flatten, one_line
 
     if as_json:
         return json.dumps(record.row(), default=str)
@@ -85,7 +85,7 @@ def _format(record: EventRecord, as_json: bool) -> str:
 
 
 async def _tail(args: argparse.Namespace, url: str) -> int:
-    from gyre.app.analytics.tap import tail
+    from app.analytics.tap import tail
     from gyre.bus import Bus
 
     bus = await Bus.connect(url, name="analytics-tail")
@@ -107,8 +107,8 @@ async def _tail(args: argparse.Namespace, url: str) -> int:
 
 
 async def _export(args: argparse.Namespace, url: str) -> int:
-    from gyre.app.analytics.export import to_table, write
-    from gyre.app.analytics.tap import read_all
+    from app.analytics.export import to_table, write
+    from app.analytics.tap import read_all
     from gyre.bus import Bus
 
     bus = await Bus.connect(url, name="analytics-export")

@@ -13,7 +13,7 @@ elastic has the same split as its home (`scheduler.async_rollout_devices`), as t
 measured wall seconds per trainer step over the simulator's window (after `warmup_steps`), the
 simulator's prediction (modelled seconds / time_scale) and the relative error, reassignments, live
 migrations, executions interrupted, completed TRAIN handoffs, device-seconds per role (by lease and
-by work) and the idle fraction as the simulator defines it (busy-based; gyre/app/analytics/elastic.py).
+by work) and the idle fraction as the simulator defines it (busy-based; app/analytics/elastic.py).
 The run directories stay under --out, so `gyre compare` shows the same table for them.
 
 The live system and the simulator are configured to mean the same thing: engine max batch =
@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from pydantic import ValidationError
 
-    from gyre.app.analytics.elastic import measure_run
-    from gyre.app.job.run import run_job
+    from app.analytics.elastic import measure_run
+    from app.job.run import run_job
     from gyre.workload import load_workload_file
     from services.scheduler.sim.compare import sweep_async
 

@@ -4,7 +4,7 @@
 the oracle's, learning health — entropy, KL to the behaviour policy, clip fraction, zero-variance
 groups —, device roles, tokens/s, executions); `LiveProgress` draws them with rich — bars on a
 terminal, one plain line per trainer step otherwise (CI logs stay readable) — and prints a stall
-warning (the report's rule, `gyre.app.job.analysis.detect_stall`) once, when it first holds.
+warning (the report's rule, `app.job.analysis.detect_stall`) once, when it first holds.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gyre.app.job.analysis import (
+from app.job.analysis import (
     ROLE_NAMES,
     StallWarning,
     StepRow,

@@ -43,9 +43,9 @@ def collect(args: argparse.Namespace) -> list[ServiceStatus]:
     """Statuses of the services named by the arguments (see the module docstring)."""
     import psutil
 
-    from gyre.app.launcher.cli import metrics_ok
-    from gyre.app.launcher.endpoints import Endpoints
-    from gyre.app.launcher.healthcheck import check
+    from app.launcher.cli import metrics_ok
+    from app.launcher.endpoints import Endpoints
+    from app.launcher.healthcheck import check
 
     if args.address:
         out = []

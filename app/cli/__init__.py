@@ -13,22 +13,22 @@ import sys
 # command -> (module, one-line help). Nested commands use "group sub" keys.
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": (
-        "gyre.app.launcher.cli",
+        "app.launcher.cli",
         "start NATS, Postgres and every service; --check verifies health and stops",
     ),
-    "status": ("gyre.app.launcher.status", "show the health of every service of a running deployment"),
-    "events": ("gyre.app.analytics.cli", "events tail [SUBJECT] | events export --format parquet"),
+    "status": ("app.launcher.status", "show the health of every service of a running deployment"),
+    "events": ("app.analytics.cli", "events tail [SUBJECT] | events export --format parquet"),
     "db": ("gyre.store.cli", "db upgrade: apply every service's Alembic migrations"),
     "run": (
-        "gyre.app.job.run",
+        "app.job.run",
         "run a training job from a YAML config (the quickstart: examples/quickstart.yaml)",
     ),
     "chaos": (
-        "gyre.app.chaos",
+        "app.chaos",
         "run a job while killing each service, NATS and Postgres in turn; print recovery and loss counters",
     ),
     "compare": (
-        "gyre.app.job.compare",
+        "app.job.compare",
         "compare run directories side by side, with the simulator's prediction",
     ),
     "sim": ("services.scheduler.sim.cli", "discrete-event cluster simulator of the scheduling policies"),
@@ -46,11 +46,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench trainer": ("services.trainer.bench", "tree-packed vs flat training step"),
     "bench elastic": (
-        "gyre.app.cli.bench_elastic",
+        "app.cli.bench_elastic",
         "colocate, async and elastic on paced devices, each next to the simulator's prediction",
     ),
     "fuzz": (
-        "gyre.app.fuzz",
+        "app.fuzz",
         "hypothesis inputs against the HTTP endpoint and event consumers (real servers); counts crashes",
     ),
 }

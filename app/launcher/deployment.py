@@ -18,7 +18,7 @@ Start (each step waits for the previous one):
 4. `<run_dir>/endpoints.json` (mode 0600: it holds the observer's NATS login and the Postgres
    superuser URL).
 
-Credentials (gyre.app.launcher.credentials, kept in `<run_dir>/secrets/`): an embedded nats-server
+Credentials (app.launcher.credentials, kept in `<run_dir>/secrets/`): an embedded nats-server
 gets one user per service with the subject permissions of gyre.bus.auth (no anonymous access), and
 each service's GYRE_NATS_URL carries its own user; an embedded Postgres gets one role per service
 (gyre.store.roles), migrations run as that role, and each service's GYRE_DATABASE_URL is its own
@@ -58,12 +58,12 @@ from typing import Any, Self
 
 import psutil
 
+from app.launcher.config import LauncherConfig, address_overrides, service_config_model
+from app.launcher.credentials import RunCredentials
+from app.launcher.endpoints import FILENAME, Endpoints, ServiceEndpoint
+from app.launcher.healthcheck import check
+from app.launcher.process import RestartPolicy, RestartRecord, ServiceProcess
 from gyre import rpc
-from gyre.app.launcher.config import LauncherConfig, address_overrides, service_config_model
-from gyre.app.launcher.credentials import RunCredentials
-from gyre.app.launcher.endpoints import FILENAME, Endpoints, ServiceEndpoint
-from gyre.app.launcher.healthcheck import check
-from gyre.app.launcher.process import RestartPolicy, RestartRecord, ServiceProcess
 from gyre.bus.auth import ADMIN, OBSERVER
 from gyre.config import CommonConfig, load_common, load_section, load_yaml
 from gyre.errors import GyreError

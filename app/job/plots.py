@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from gyre.app.job.analysis import ROLES, STALL_ZERO_VARIANCE, RunAnalysis
+from app.job.analysis import ROLES, STALL_ZERO_VARIANCE, RunAnalysis
 
 ROLE_COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "switching": "#C44E52", "idle": "#BBBBBB"}
 

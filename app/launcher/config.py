@@ -80,35 +80,21 @@ class LauncherConfig(ConfigModel):
 
 
 def service_config_model(name: str) -> type[ConfigModel] | None:
-    """The config model of `services.<name>.config` (its one top-level ConfigModel), None if the
-    service has no config module yet. Imported by module name: the launcher never depends on a
-    service's code, only on the names its config declares."""
-    import importlib
-    import inspect
-    import typing
+    """The typed config model of service `name` (None for a name that is not a service). The
+    application imports each service's config module directly, so the layer contract sees every
+    edge; the config modules import only the runtime, so this pulls in no service code."""
+    from services.rollout.config import RolloutConfig
+    from services.scheduler.config import SchedulerConfig
+    from services.trainer.config import TrainerConfig
+    from services.trajectory.config import TrajectoryConfig
 
-    try:
-        module = importlib.import_module(f"services.{name}.config")
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and f"services.{name}.config".startswith(exc.name):
-            return None
-        raise
-    models = [
-        obj
-        for obj in vars(module).values()
-        if inspect.isclass(obj)
-        and issubclass(obj, ConfigModel)
-        and obj is not ConfigModel
-        and obj.__module__ == module.__name__
-    ]
-    nested = {
-        arg
-        for model in models
-        for field in model.model_fields.values()
-        for arg in (field.annotation, *typing.get_args(field.annotation))
+    models: dict[str, type[ConfigModel]] = {
+        "scheduler": SchedulerConfig,
+        "rollout": RolloutConfig,
+        "trajectory": TrajectoryConfig,
+        "trainer": TrainerConfig,
     }
-    top = [m for m in models if m not in nested]
-    return top[0] if len(top) == 1 else None
+    return models.get(name)
 
 
 def address_overrides(name: str, started: dict[str, str]) -> dict[str, str]:

@@ -1,0 +1,58 @@
+"""The layers of the house (docs/architecture.md): app above services above the gyre runtime, held
+by one import-linter `layers` contract with no ignores, and no import circle inside a package."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+pytestmark = pytest.mark.skipif(not LINT_IMPORTS.exists(), reason="lint-imports is not installed")
+
+
+def _copy_tree(dest: Path) -> None:
+    for package in ("app", "services", "gyre"):
+        shutil.copytree(ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+def _lint(where: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache"],
+        cwd=where,
+        env={"PYTHONPATH": str(where), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_layer_contract_has_no_ignores() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'type = "layers"' in text
+    assert "ignore_imports" not in text
+
+
+@pytest.mark.parametrize(
+    ("probe", "importing"),
+    [
+        ("gyre/_probe.py", "import services.trainer.loop"),
+        ("gyre/_probe.py", "import app.cli"),
+        ("services/rollout/_probe.py", "import app.job.run"),
+        ("services/rollout/_probe.py", "import services.trainer.config"),
+    ],
+)
+def test_an_import_that_runs_back_up_breaks_the_contracts(tmp_path: Path, probe: str, importing: str) -> None:
+    _copy_tree(tmp_path)
+    clean = _lint(tmp_path)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    (tmp_path / probe).write_text(f'"""A probe that imports against the arrows."""\n\n{importing}\n')
+    broken = _lint(tmp_path)
+    assert broken.returncode != 0, f"{probe} doing `{importing}` was not caught:\n{broken.stdout}"
+    assert "BROKEN" in broken.stdout
