@@ -3,8 +3,9 @@
 A run is one YAML file. Top-level keys are `CommonConfig` fields; each service reads its own
 section (`scheduler:`, `rollout:`, `trajectory:`, `trainer:`), validated by that service's config
 class. Environment variables override the file: `GYRE_<FIELD>` for common fields (e.g.
-`GYRE_NATS_URL`, `GYRE_DATABASE_URL`) and `GYRE_<SECTION>__<FIELD>` for a section field
-(e.g. `GYRE_TRAINER__LR=1e-4`). A bad value fails at load with the field, the value and a hint.
+`GYRE_NATS_URL`, `GYRE_DATABASE_URL`) and `GYRE_<SECTION>__<FIELD>` for a section field at any depth, `__` between
+levels (e.g. `GYRE_TRAINER__LR=1e-4`, `GYRE_TRAINER__MODEL__VOCAB_SIZE=1024`); a nested override
+merges into the file's mapping instead of replacing it. A bad value fails at load with the field, the value and a hint.
 """
 
 from __future__ import annotations
@@ -72,16 +73,37 @@ class CommonConfig(ConfigModel):
 
 
 def _env_overrides(section: str | None) -> dict[str, Any]:
+    """The GYRE_* environment as a nested mapping: `GYRE_<SECTION>__<A>__<B>=v` becomes
+    `{"a": {"b": v}}` for that section (any depth; `__` separates levels), `GYRE_<FIELD>=v` a
+    common field. Values are parsed as YAML scalars or flow collections (`[1, 2]`, `{a: 1}`)."""
     prefix = "GYRE_" if section is None else f"GYRE_{section.upper()}__"
     out: dict[str, Any] = {}
-    for key, value in os.environ.items():
+    for key, value in sorted(os.environ.items()):
         if not key.startswith(prefix):
             continue
-        name = key[len(prefix) :].lower()
-        if section is None and "__" in name:
+        path = key[len(prefix) :].lower().split("__")
+        if section is None and len(path) > 1:
             continue
-        out[name] = yaml.safe_load(value) if value else value
+        if any(not part for part in path):
+            raise ConfigError(f"environment variable {key}: empty level in its name (use one '__' between levels)")
+        node = out
+        for part in path[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[path[-1]] = yaml.safe_load(value) if value else value
     return out
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `override` laid over it: mappings merge key by key at every depth, any other
+    value (a list, a scalar) replaces the one below. Neither input is modified."""
+    merged = dict(base)
+    for key, value in override.items():
+        below = merged.get(key)
+        merged[key] = deep_merge(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+    return merged
 
 
 def load_yaml(path: str | Path | None) -> dict[str, Any]:
@@ -127,5 +149,5 @@ def load_section(
     sec = raw.get(section) or {}
     if not isinstance(sec, dict):
         raise ConfigError(f"section {section!r} must be a mapping, got {type(sec).__name__}")
-    merged = {**sec, **_env_overrides(section)}
+    merged = deep_merge(sec, _env_overrides(section))
     return build(cls, merged, where=section)

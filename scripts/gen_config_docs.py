@@ -51,7 +51,9 @@ errors, and a bad value fails at load with the field, the value and the descript
 Environment variables override the file: `GYRE_<FIELD>` for a top-level key (e.g. `GYRE_NATS_URL`,
 `GYRE_DATABASE_URL`, `GYRE_RUN_DIR`) and `GYRE_<SECTION>__<FIELD>` for a section's key (e.g.
 `GYRE_TRAINER__LR=1e-4`, `GYRE_LAUNCHER__SERVICES='[scheduler, trajectory]'`); values are parsed as
-YAML. Nested keys are written with dots below and nest as mappings in the YAML.
+YAML. Nested keys are written with dots below and nest as mappings in the YAML; in the environment
+each level is separated by `__`, at any depth (`GYRE_TRAINER__MODEL__VOCAB_SIZE=1024` sets
+`trainer.model.vocab_size` and keeps the file's other `trainer.model` keys).
 
 ```yaml
 run_id: quickstart          # top-level: common settings
