@@ -225,8 +225,7 @@ class HttpStack:
     def steps_on_nats(self) -> int:
         async def count() -> int:
             await self.sink.flush()
-            info = await self.bus.js.stream_info("GYRE_STEPS")
-            return int(info.state.messages)
+            return await self.bus.num_stored("gyre.steps.>")
 
         return int(self.call(count()))
 

@@ -85,7 +85,9 @@ def _env_overrides(section: str | None) -> dict[str, Any]:
         if section is None and len(path) > 1:
             continue
         if any(not part for part in path):
-            raise ConfigError(f"environment variable {key}: empty level in its name (use one '__' between levels)")
+            raise ConfigError(
+                f"environment variable {key}: empty level in its name (use one '__' between levels)"
+            )
         node = out
         for part in path[:-1]:
             child = node.get(part)
@@ -102,7 +104,9 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     merged = dict(base)
     for key, value in override.items():
         below = merged.get(key)
-        merged[key] = deep_merge(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+        merged[key] = (
+            deep_merge(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+        )
     return merged
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from app.analytics import tap
 from app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, to_record
-from gyre.bus import Bus, subjects
+from gyre.bus import Bus
 
 log = logging.getLogger("app.job.collector")
 
@@ -103,9 +103,7 @@ class EventCollector:
     async def _num_stored(self, subject_filter: str) -> int | None:
         """Messages the stream holds on `subject_filter` (None if unknown)."""
         try:
-            spec = subjects.stream_for(subject_filter)
-            info = await self.bus.js.stream_info(spec.name, subjects_filter=subject_filter)
-            return int(sum((info.state.subjects or {}).values()))
+            return await self.bus.num_stored(subject_filter)
         except Exception:
             return None
 

@@ -33,12 +33,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hashlib
-import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import nats
 import nats.errors
@@ -46,476 +43,29 @@ import nats.js.errors
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext, api
-from prometheus_client import Counter
+from nats.js import api
 
 from gyre.bus import auth, subjects
+from gyre.bus.consumer import Consumer, Handler, M
+from gyre.bus.publisher import Publisher
+from gyre.bus.reader import REPLAY_IDLE_TIMEOUT_S, StoredMessage, follow, num_stored, replay
+from gyre.bus.wire import (
+    DEAD_CODE_HEADER,
+    DEAD_LETTERS,
+    DEAD_LETTERS_LOST,
+    DEAD_LOG,
+    DEAD_REASON_HEADER,
+    DEAD_SUBJECT_HEADER,
+    DENIED_LOG,
+    PUBLISH_DUPLICATES,
+    PUBLISHED,
+    headers_size,
+    log,
+    message_id_headers,
+    one_line,
+    same_stream_config,
+)
 from gyre.errors import InvalidArgument, PayloadTooLarge, Unavailable
-
-log = logging.getLogger("gyre.bus")
-
-M = TypeVar("M", bound=Message)
-# A handler returns None when it is done with a batch, or an awaitable that completes when the batch
-# is done (e.g. its database commit): the consumer then hands it the next batch meanwhile.
-Handler = Callable[[list[M]], Awaitable[Awaitable[None] | None]]
-
-MSG_ID_HEADER = "Nats-Msg-Id"
-# The event's own id, `<subject>/<msg_id>`, without the payload digest (duplicate detection).
-EVENT_ID_HEADER = "Gyre-Msg-Id"
-DEAD_REASON_HEADER = "Gyre-Dead-Reason"
-DEAD_SUBJECT_HEADER = "Gyre-Dead-Subject"
-DEAD_CODE_HEADER = "Gyre-Dead-Code"
-# Bytes of "NATS/1.0\r\n" + the final "\r\n" of a header block; each header adds ": " and "\r\n".
-_HEADER_BLOCK_OVERHEAD = len("NATS/1.0\r\n") + len("\r\n")
-# Event ids a consumer remembers to spot a second, different payload under the same id.
-_SEEN_IDS = 65_536
-
-PUBLISHED = Counter("gyre_bus_published_total", "Messages stored by JetStream", ["stream"])
-PUBLISH_DUPLICATES = Counter(
-    "gyre_bus_publish_duplicates_total",
-    "Publishes dropped by the stream as duplicates of a msg_id (same event id and same payload)",
-    ["stream"],
-)
-CONSUMED = Counter(
-    "gyre_bus_consumed_total",
-    "Messages a durable consumer finished, by outcome (ack, nak = redelivered later, term = undecodable)",
-    ["consumer", "outcome"],
-)
-CONFLICTING_IDS = Counter(
-    "gyre_bus_conflicting_ids_total",
-    "Messages whose event id a consumer had already seen with a different payload (both were delivered)",
-    ["consumer"],
-)
-DEAD_LETTERS = Counter(
-    "gyre_dead_letters_total",
-    "Messages refused as invalid and sent to GYRE_DEAD_LETTERS",
-    ["service", "code"],
-)
-DEAD_LETTERS_LOST = Counter(
-    "gyre_dead_letters_lost_total", "Dead letters that could not be stored (the refusal stands)", ["service"]
-)
-
-
-def message_id_headers(subject: str, msg_id: str, data: bytes) -> dict[str, str]:
-    """Headers of a message with event id `msg_id`: ``Nats-Msg-Id`` is
-    ``<subject>/<msg_id>/<blake2b-96 of the payload>``, so JetStream drops only a repeat of the *same*
-    event (a retry), and a message published first under a guessed id with another payload cannot
-    make the stream drop the real one; ``Gyre-Msg-Id`` (``<subject>/<msg_id>``) lets consumers see
-    and count two different payloads under one id."""
-    event_key = f"{subject}/{msg_id}"
-    digest = hashlib.blake2b(data, digest_size=12).hexdigest()
-    return {MSG_ID_HEADER: f"{event_key}/{digest}", EVENT_ID_HEADER: event_key}
-
-
-def _headers_size(headers: dict[str, str]) -> int:
-    return _HEADER_BLOCK_OVERHEAD + sum(len(k) + len(v) + 4 for k, v in headers.items())
-
-
-def _one_line(text: str, limit: int) -> str:
-    """A header-safe value: printable ASCII on one line, at most `limit` characters."""
-    flat = "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in text)
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def _same_stream_config(have: api.StreamConfig, want: api.StreamConfig) -> bool:
-    """True when the server's stream config matches ours in everything ensure_streams sets."""
-
-    def close(a: float | None, b: float | None) -> bool:
-        return abs((a or 0.0) - (b or 0.0)) < 1e-3
-
-    return (
-        sorted(have.subjects or []) == sorted(want.subjects or [])
-        and (have.description or "") == (want.description or "")
-        and have.retention == want.retention
-        and have.storage == want.storage
-        and have.discard == want.discard
-        and (have.max_bytes if have.max_bytes is not None else -1) == want.max_bytes
-        and close(have.max_age, want.max_age)
-        and close(have.duplicate_window, want.duplicate_window)
-    )
-
-
-class RateLimitedLog:
-    """Logs at most `per_window` lines per key and window of `window_s` seconds; the first line of
-    the next window says how many were suppressed (a flood of bad messages is a few lines a minute)."""
-
-    def __init__(self, logger: logging.Logger, per_window: int = 5, window_s: float = 60.0) -> None:
-        self._log = logger
-        self._per_window = per_window
-        self._window_s = window_s
-        self._state: dict[str, tuple[float, int, int]] = {}  # key -> (window start, logged, suppressed)
-
-    def log(self, key: str, fmt: str, *args: object) -> bool:
-        """Log a WARNING unless `key` used up its lines this window; True if it was logged."""
-        now = time.monotonic()
-        start, logged, suppressed = self._state.get(key, (now, 0, 0))
-        if now - start >= self._window_s:
-            if suppressed:
-                self._log.warning(
-                    "%d more %r lines suppressed in the last %.0f s", suppressed, key, now - start
-                )
-            start, logged, suppressed = now, 0, 0
-        if logged >= self._per_window:
-            self._state[key] = (start, logged, suppressed + 1)
-            return False
-        self._state[key] = (start, logged + 1, suppressed)
-        self._log.warning(fmt, *args)
-        return True
-
-
-_DEAD_LOG = RateLimitedLog(log)
-_CONFLICT_LOG = RateLimitedLog(log)
-_DENIED_LOG = RateLimitedLog(log)
-
-
-def _stream_label(subject: str) -> str:
-    try:
-        return subjects.stream_for(subject).name
-    except InvalidArgument:
-        return "other"
-
-
-@dataclass
-class ConsumerStats:
-    """Counts of one consumer since it started (messages, not batches)."""
-
-    num_acked: int = 0
-    num_naked: int = 0
-    num_terminated: int = 0
-    num_handler_errors: int = 0
-    # Messages whose event id came before with a different payload (delivered too, and counted).
-    num_conflicting_ids: int = 0
-
-
-class Consumer(Generic[M]):
-    """A running durable pull consumer; ``await stop()`` finishes the current batch and stops."""
-
-    def __init__(
-        self,
-        bus: Bus,
-        sub: JetStreamContext.PullSubscription,
-        msg_type: type[M],
-        handler: Handler[M],
-        *,
-        durable: str,
-        batch_size: int,
-        ack_wait_s: float,
-        nak_delay_s: float,
-        max_nak_delay_s: float,
-        max_unsettled: int = 2,
-    ) -> None:
-        self._bus = bus
-        self._sub = sub
-        self._msg_type = msg_type
-        self._handler = handler
-        self.durable = durable
-        self._batch_size = batch_size
-        self._ack_wait_s = ack_wait_s
-        self._nak_delay_s = nak_delay_s
-        self._max_nak_delay_s = max_nak_delay_s
-        self._max_unsettled = max_unsettled
-        self._stopping = asyncio.Event()
-        self.stats = ConsumerStats()
-        # Event id -> payload digest of the last _SEEN_IDS events (see _note_identity).
-        self._seen: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self.task: asyncio.Task[None] = asyncio.create_task(self._run(), name=f"consumer:{durable}")
-        self.task.add_done_callback(bus._on_consumer_done)
-
-    async def stop(self) -> None:
-        """Stop fetching, let the batch in hand finish (acked or nak'ed), unsubscribe. Idempotent."""
-        self._stopping.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
-        self._bus._consumers.discard(self)
-
-    async def _run(self) -> None:
-        """Fetch, then hand batches to the handler one after another, in fetch order.
-
-        The next batch is fetched while the handler works on the current one (one batch ahead), and
-        a batch whose handler returned an awaitable is settled (acked, or redelivered) when that
-        completes while the next batch is already handed over (at most ``max_unsettled`` batches
-        waiting). Every batch in hand has its ack deadline extended from the moment it arrives until
-        it is settled. On stop, batches already fetched are still handled and settled, never left to
-        time out.
-        """
-        ahead: asyncio.Task[tuple[list[Msg], asyncio.Task[None] | None]] | None = None
-        unsettled: collections.deque[asyncio.Task[None]] = collections.deque()
-        try:
-            while not self._stopping.is_set():
-                fetch = ahead if ahead is not None else asyncio.create_task(self._fetch())
-                ahead = None
-                msgs, keepalive = await fetch
-                if not msgs:
-                    continue
-                if not self._stopping.is_set():
-                    ahead = asyncio.create_task(self._fetch())
-                while len(unsettled) >= self._max_unsettled:
-                    await unsettled.popleft()
-                later = await self._process(msgs, keepalive)
-                if later is not None:
-                    unsettled.append(later)
-            if ahead is not None:
-                msgs, keepalive = await ahead
-                ahead = None
-                if msgs and (later := await self._process(msgs, keepalive)) is not None:
-                    unsettled.append(later)
-            while unsettled:
-                await unsettled.popleft()
-        finally:
-            if ahead is not None:
-                ahead.cancel()
-            for task in unsettled:
-                task.cancel()
-
-    async def _fetch(self) -> tuple[list[Msg], asyncio.Task[None] | None]:
-        """One fetch of up to batch_size messages (empty after 1 s without any), with a task that
-        keeps their ack deadline extended until the caller cancels it."""
-        try:
-            msgs = await self._sub.fetch(self._batch_size, timeout=1.0)
-        except (TimeoutError, nats.errors.TimeoutError):
-            return [], None
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
-            if self._stopping.is_set():
-                return [], None
-            log.warning("consumer %s: fetch failed (%s); retrying in 1 s", self.durable, exc)
-            await asyncio.sleep(1.0)
-            return [], None
-        if not msgs:
-            return [], None
-        return msgs, asyncio.create_task(self._extend_deadline(msgs))
-
-    def _note_identity(self, msg: Msg) -> None:
-        """Count a message whose event id this consumer already saw with another payload digest.
-        Both are handed to the handler (which is idempotent by its natural key): nothing is dropped
-        silently, and the counter says someone published a second, different event under one id."""
-        headers = msg.headers or {}
-        event_key, full_id = headers.get(EVENT_ID_HEADER), headers.get(MSG_ID_HEADER)
-        if not event_key or not full_id:
-            return
-        digest = full_id.rsplit("/", 1)[-1]
-        seen = self._seen.get(event_key)
-        if seen is None:
-            self._seen[event_key] = digest
-            if len(self._seen) > _SEEN_IDS:
-                self._seen.popitem(last=False)
-        elif seen != digest:
-            self.stats.num_conflicting_ids += 1
-            CONFLICTING_IDS.labels(self.durable).inc()
-            _CONFLICT_LOG.log(
-                f"conflict:{self.durable}",
-                "consumer %s: event id %s arrived again with a different payload; both delivered, counted",
-                self.durable,
-                event_key,
-            )
-
-    async def _process(
-        self, msgs: list[Msg], keepalive: asyncio.Task[None] | None
-    ) -> asyncio.Task[None] | None:
-        """Decode `msgs` and hand the good ones to the handler. Settled here, unless the handler
-        returned an awaitable: then a task is returned that settles the batch when it completes (and
-        owns `keepalive` from then on)."""
-        try:
-            decoded: list[M] = []
-            good: list[Msg] = []
-            for msg in msgs:
-                try:
-                    decoded.append(self._msg_type.FromString(msg.data))
-                    good.append(msg)
-                except DecodeError as exc:
-                    await self._bus.dead_letter(
-                        msg.subject,
-                        msg.data,
-                        self._msg_type.DESCRIPTOR.full_name,
-                        "undecodable",
-                        f"consumer {self.durable}: {len(msg.data)} bytes are not a "
-                        f"{self._msg_type.DESCRIPTOR.full_name}: {exc}",
-                    )
-                    await msg.term()
-                    self.stats.num_terminated += 1
-                    CONSUMED.labels(self.durable, "term").inc()
-                    continue
-                self._note_identity(msg)
-            if not good:
-                return None
-            try:
-                later = await self._handler(decoded)
-            except Exception as exc:
-                await self._refused_or_retry(good, decoded, exc)
-                return None
-            if later is None:
-                await self._ack(good)
-                return None
-            task = asyncio.create_task(self._settle_later(good, decoded, later, keepalive))
-            keepalive = None  # the settling task cancels it
-            return task
-        finally:
-            if keepalive is not None:
-                keepalive.cancel()
-
-    async def _settle_later(
-        self, good: list[Msg], decoded: list[M], later: Awaitable[None], keepalive: asyncio.Task[None] | None
-    ) -> None:
-        try:
-            await later
-        except Exception as exc:
-            await self._refused_or_retry(good, decoded, exc)
-        else:
-            await self._ack(good)
-        finally:
-            if keepalive is not None:
-                keepalive.cancel()
-
-    def _redelivery_delay(self, num_delivered: int) -> float:
-        """Seconds before a nak'ed message is delivered again: doubling per delivery, capped."""
-        return min(self._nak_delay_s * 2 ** (num_delivered - 1), self._max_nak_delay_s)
-
-    async def _ack(self, good: list[Msg]) -> None:
-        for msg in good:
-            await msg.ack()
-        self.stats.num_acked += len(good)
-        CONSUMED.labels(self.durable, "ack").inc(len(good))
-
-    async def _refused_or_retry(self, good: list[Msg], decoded: list[M], exc: Exception) -> None:
-        """The batch's handler raised `exc`: InvalidArgument -> find the refused messages one at a
-        time; anything else -> redeliver the batch after a growing delay."""
-        if isinstance(exc, InvalidArgument):
-            await self._one_by_one(good, decoded)
-            return
-        self.stats.num_handler_errors += 1
-        attempt = max(m.metadata.num_delivered for m in good)
-        delay = self._redelivery_delay(attempt)
-        log.error(
-            "consumer %s: handler failed on a batch of %d (delivery %d); redelivering in %.2f s",
-            self.durable,
-            len(good),
-            attempt,
-            delay,
-            exc_info=exc,
-        )
-        for msg in good:
-            await msg.nak(delay=delay)
-        self.stats.num_naked += len(good)
-        CONSUMED.labels(self.durable, "nak").inc(len(good))
-
-    async def _one_by_one(self, msgs: list[Msg], decoded: list[M]) -> None:
-        """Hand each message of a refused batch to the handler alone (handlers are idempotent, so what
-        the batch call already did is harmless): acked if it passes, dead-lettered and terminated if
-        the handler raises InvalidArgument for it, nak'ed (redelivered) on any other error."""
-        for msg, item in zip(msgs, decoded, strict=True):
-            try:
-                later = await self._handler([item])
-                if later is not None:
-                    await later
-            except InvalidArgument as exc:
-                await self._bus.dead_letter(
-                    msg.subject,
-                    msg.data,
-                    self._msg_type.DESCRIPTOR.full_name,
-                    "refused_by_handler",
-                    f"consumer {self.durable}: {exc}",
-                )
-                await msg.term()
-                self.stats.num_terminated += 1
-                CONSUMED.labels(self.durable, "term").inc()
-            except Exception:
-                self.stats.num_handler_errors += 1
-                delay = self._redelivery_delay(msg.metadata.num_delivered)
-                log.exception(
-                    "consumer %s: handler failed on one message; redelivering in %.2f s", self.durable, delay
-                )
-                await msg.nak(delay=delay)
-                self.stats.num_naked += 1
-                CONSUMED.labels(self.durable, "nak").inc()
-            else:
-                await msg.ack()
-                self.stats.num_acked += 1
-                CONSUMED.labels(self.durable, "ack").inc()
-
-    async def _extend_deadline(self, msgs: list[Msg]) -> None:
-        while True:
-            await asyncio.sleep(self._ack_wait_s / 3)
-            for msg in msgs:
-                with contextlib.suppress(Exception):
-                    await msg.in_progress()
-
-
-class Publisher:
-    """Batched asynchronous publish with a bounded window of un-acked messages (back-pressure).
-
-    Errors of earlier messages surface at the next ``publish`` or at ``flush``.
-    """
-
-    def __init__(self, bus: Bus, max_pending: int, stall_timeout_s: float) -> None:
-        if max_pending < 1:
-            raise InvalidArgument(f"max_pending must be >= 1, got {max_pending}")
-        self._bus = bus
-        self._js = bus.nc.jetstream(publish_async_max_pending=max_pending)
-        self._stall_timeout_s = stall_timeout_s
-        self._pending: set[asyncio.Future[api.PubAck]] = set()
-        self._num_failed = 0
-        self._first_error: BaseException | None = None
-        self.num_published = 0
-
-    @property
-    def num_pending(self) -> int:
-        """Messages sent but not yet acknowledged by the stream."""
-        return len(self._pending)
-
-    async def publish(self, subject: str, msg: Message, *, msg_id: str | None = None) -> None:
-        """Send `msg`; waits only while `max_pending` messages are un-acked."""
-        self._raise_failures()
-        data, headers = self._bus._encode(subject, msg, msg_id)
-        try:
-            fut = await self._js.publish_async(
-                subject, data, wait_stall=self._stall_timeout_s, headers=headers
-            )
-        except nats.js.errors.TooManyStalledMsgsError:
-            raise Unavailable(
-                f"{self.num_pending} publishes un-acknowledged for {self._stall_timeout_s} s; "
-                "is NATS reachable and the stream declared (Bus.ensure_streams)?"
-            ) from None
-        self._pending.add(fut)
-        fut.add_done_callback(self._done)
-
-    def _done(self, fut: asyncio.Future[api.PubAck]) -> None:
-        self._pending.discard(fut)
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if exc is not None:
-            self._num_failed += 1
-            self._first_error = self._first_error or exc
-            return
-        self.num_published += 1
-        ack = fut.result()
-        PUBLISHED.labels(ack.stream).inc()
-        if ack.duplicate:
-            PUBLISH_DUPLICATES.labels(ack.stream).inc()
-
-    def _raise_failures(self) -> None:
-        if self._num_failed:
-            n, err = self._num_failed, self._first_error
-            self._num_failed, self._first_error = 0, None
-            raise Unavailable(
-                f"{n} async publishes failed (first error: {err!r}); republish them with the same msg_id"
-            )
-
-    async def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every message sent so far is stored; Unavailable if one failed or timed out."""
-        pending = list(self._pending)
-        if pending:
-            done, not_done = await asyncio.wait(pending, timeout=timeout_s)
-            for fut in not_done:
-                fut.cancel()
-            if not_done:
-                raise Unavailable(
-                    f"{len(not_done)} publishes not acknowledged within {timeout_s} s; "
-                    "republish them with the same msg_id (dedup makes it harmless)"
-                )
-        self._raise_failures()
 
 
 class Bus:
@@ -555,7 +105,7 @@ class Bus:
             if "permissions violation" in str(exc).lower():
                 denied.append(str(exc))
                 del denied[:-100]
-                _DENIED_LOG.log(f"denied:{name}", "nats (%s): the server refused: %s", name, exc)
+                DENIED_LOG.log(f"denied:{name}", "nats (%s): the server refused: %s", name, exc)
                 return
             if connected:
                 log.warning("nats (%s): %s", name, exc)
@@ -637,7 +187,7 @@ class Bus:
                     f"no answer to stream info of {spec.name} ({exc!r}); does this NATS user have the "
                     "JetStream API rights of gyre.bus.auth?"
                 ) from exc
-            if info is not None and _same_stream_config(info.config, config):
+            if info is not None and same_stream_config(info.config, config):
                 continue
             try:
                 if info is None:
@@ -653,10 +203,10 @@ class Bus:
                     "(the launcher does, or `gyre up`)"
                 ) from exc
 
-    def _encode(self, subject: str, msg: Message, msg_id: str | None) -> tuple[bytes, dict[str, str] | None]:
+    def encode(self, subject: str, msg: Message, msg_id: str | None) -> tuple[bytes, dict[str, str] | None]:
         data = msg.SerializeToString()
         headers = message_id_headers(subject, msg_id, data) if msg_id else None
-        size = len(data) + (_headers_size(headers) if headers else 0)
+        size = len(data) + (headers_size(headers) if headers else 0)
         if size > self.max_payload:
             raise PayloadTooLarge(
                 f"{type(msg).__name__} on {subject} is {size} bytes, over the NATS server's max_payload of "
@@ -674,7 +224,7 @@ class Bus:
         service = service or self.name
         DEAD_LETTERS.labels(service, code).inc()
         self.num_dead_letters[code] += 1
-        _DEAD_LOG.log(code, "%s refused a message on %s (%s): %s", service, subject, code, reason)
+        DEAD_LOG.log(code, "%s refused a message on %s (%s): %s", service, subject, code, reason)
         parts = subject.split(".")
         try:
             dead_subject = subjects.dead_letters(parts[2] if len(parts) > 2 else "unknown", service)
@@ -682,9 +232,9 @@ class Bus:
             dead_subject = subjects.dead_letters("unknown", service)
         letter = any_pb2.Any(type_url=f"type.googleapis.com/{type_name}", value=payload)
         headers = {
-            DEAD_REASON_HEADER: _one_line(reason, 1024),
-            DEAD_SUBJECT_HEADER: _one_line(subject, 512),
-            DEAD_CODE_HEADER: _one_line(code, 64),
+            DEAD_REASON_HEADER: one_line(reason, 1024),
+            DEAD_SUBJECT_HEADER: one_line(subject, 512),
+            DEAD_CODE_HEADER: one_line(code, 64),
         }
         try:
             await self.js.publish(dead_subject, letter.SerializeToString(), timeout=10.0, headers=headers)
@@ -697,7 +247,7 @@ class Bus:
     ) -> api.PubAck:
         """Store `msg` on its stream and wait for the ack. `msg_id` is the dedup key (pass event_id);
         None only where duplicates are harmless. Unavailable if the stream does not answer in time."""
-        data, headers = self._encode(subject, msg, msg_id)
+        data, headers = self.encode(subject, msg, msg_id)
         try:
             ack = await self.js.publish(subject, data, timeout=timeout_s, headers=headers)
         except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
@@ -794,7 +344,12 @@ class Bus:
         self._consumers.add(consumer)
         return consumer
 
-    def _on_consumer_done(self, task: asyncio.Task[None]) -> None:
+    def forget_consumer(self, consumer: Consumer[Any]) -> None:
+        """Drop a stopped consumer from those `close` stops (Consumer.stop calls it)."""
+        self._consumers.discard(consumer)
+
+    def consumer_done(self, task: asyncio.Task[None]) -> None:
+        """Log and report a consumer task that died (Consumer calls it when its task ends)."""
         if task.cancelled() or task.exception() is None:
             return
         exc = task.exception()
@@ -812,7 +367,7 @@ class Bus:
             try:
                 yield msg_type.FromString(data)
             except DecodeError:
-                _DEAD_LOG.log(
+                DEAD_LOG.log(
                     "tail:undecodable",
                     "tail: skipped undecodable message on %s (%d bytes)",
                     subject,
@@ -848,6 +403,28 @@ class Bus:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    def replay(
+        self, subject_filter: str, *, idle_timeout_s: float = REPLAY_IDLE_TIMEOUT_S
+    ) -> AsyncIterator[StoredMessage]:
+        """Every message stored so far on `subject_filter` (any Gyre filter, wide ones stream by
+        stream), each stream in order, acking nothing (gyre.bus.reader.replay)."""
+        return replay(self.js, subject_filter, idle_timeout_s=idle_timeout_s)
+
+    async def num_stored(self, subject_filter: str) -> int:
+        """Messages the streams hold on `subject_filter` now (gyre.bus.reader.num_stored)."""
+        return await num_stored(self.js, subject_filter)
+
+    def follow(
+        self,
+        subject_filter: str,
+        *,
+        from_start: bool = False,
+        on_subscribed: Callable[[], None] | None = None,
+    ) -> AsyncIterator[StoredMessage]:
+        """Messages on `subject_filter` as they are stored, with their stream metadata, from every
+        stream the filter reaches (gyre.bus.reader.follow)."""
+        return follow(self.js, subject_filter, from_start=from_start, on_subscribed=on_subscribed)
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Stop every consumer (finishing their batches), then drain and close the connection.

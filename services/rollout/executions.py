@@ -16,7 +16,6 @@ scored as unfinished, from its progress, never as if complete), and the new grou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 from dataclasses import dataclass
@@ -159,30 +158,14 @@ async def end_orphaned_executions(
 
     from gyre.bus import subjects
 
-    subject = subjects.executions(run_id, "*")
-    stream = subjects.stream_for(subject).name
-    info = await bus.js.stream_info(stream, subjects_filter=subject)
-    if not sum((info.state.subjects or {}).values()):
-        return []
     started: dict[str, events_pb2.ExecutionEvent] = {}
     ended: set[str] = set()
-    sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True)
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=idle_timeout_s)
-            except TimeoutError:
-                break
-            ev = events_pb2.ExecutionEvent.FromString(msg.data)
-            if ev.kind == events_pb2.ExecutionEvent.KIND_STARTED:
-                started[ev.execution_id] = ev
-            else:
-                ended.add(ev.execution_id)
-            if msg.metadata.num_pending == 0:
-                break
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+    async for stored in bus.replay(subjects.executions(run_id, "*"), idle_timeout_s=idle_timeout_s):
+        ev = events_pb2.ExecutionEvent.FromString(stored.data)
+        if ev.kind == events_pb2.ExecutionEvent.KIND_STARTED:
+            started[ev.execution_id] = ev
+        else:
+            ended.add(ev.execution_id)
     orphans = [eid for eid in started if eid not in ended]
     for eid in orphans:
         ev = started[eid]

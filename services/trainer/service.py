@@ -160,27 +160,13 @@ class TrainerService(Service):
         has neither trained (checkpoint), journaled nor quarantined: a predecessor killed between
         the hand-out of a batch and its journal write would otherwise leave it delivered and never
         trained. Each is pulled again by id (one that is another consumer's is skipped)."""
-        import contextlib
-
         subject = subjects.paths_batch(self.common.run_id)
-        stream = subjects.stream_for(subject).name
-        info = await bus.js.stream_info(stream, subjects_filter=subject)
-        if not sum((info.state.subjects or {}).values()):
+        announced = [
+            events_pb2.BatchReadyEvent.FromString(stored.data).batch_id
+            async for stored in bus.replay(subject)
+        ]
+        if not announced:
             return
-        announced: list[str] = []
-        sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True)
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=5.0)
-                except TimeoutError:
-                    break
-                announced.append(events_pb2.BatchReadyEvent.FromString(msg.data).batch_id)
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
         known = {
             *self.trainer.state.trained_batch_ids,
             *self.trainer.journal.pulled_batch_ids,

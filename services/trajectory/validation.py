@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gyre.bus import subjects
-from gyre.bus.nats_bus import RateLimitedLog
+from gyre.bus.wire import RateLimitedLog
 from gyre.errors import InvalidArgument, PermissionDenied
 from gyre.v1 import events_pb2, trajectory_pb2
 from gyre.validation import Problem, execution_problem, is_early, step_problem

@@ -14,8 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.analytics.flatten import flatten, one_line
-from app.analytics.tap import stream_filters
-from gyre.bus import Bus, subjects
+from gyre.bus import Bus, stream_filters, subjects
 from gyre.errors import InvalidArgument
 from gyre.v1 import common_pb2, events_pb2
 

@@ -36,7 +36,9 @@ def test_an_override_three_levels_down_sets_that_field_and_keeps_its_siblings(
     assert config.top == 2.0
 
 
-def test_the_trainer_model_vocabulary_can_be_set_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_trainer_model_vocabulary_can_be_set_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("GYRE_TRAINER__MODEL__VOCAB_SIZE", "1024")
     monkeypatch.setenv("GYRE_TRAINER__LR", "0.002")
     config = load_section(TrainerConfig, "trainer", data={"trainer": {"model": {"num_layers": 3}}})

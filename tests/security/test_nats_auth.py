@@ -16,7 +16,7 @@ import nats.errors
 import pytest
 
 from gyre.bus import Bus, auth, subjects
-from gyre.bus.nats_bus import MSG_ID_HEADER
+from gyre.bus.wire import MSG_ID_HEADER
 from gyre.embedded import EmbeddedNats
 from gyre.errors import Unavailable
 from gyre.v1 import common_pb2, events_pb2

@@ -20,7 +20,7 @@ import sqlalchemy
 
 from gyre import rpc, store
 from gyre.bus import Bus, subjects
-from gyre.bus.nats_bus import DEAD_CODE_HEADER, DEAD_REASON_HEADER
+from gyre.bus.wire import DEAD_CODE_HEADER, DEAD_REASON_HEADER
 from gyre.config import CommonConfig
 from gyre.service import Runtime
 from gyre.v1 import common_pb2, events_pb2, trajectory_pb2, trajectory_pb2_grpc

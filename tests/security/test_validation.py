@@ -12,7 +12,7 @@ import pytest
 from google.protobuf import any_pb2
 
 from gyre.bus import Bus, subjects
-from gyre.bus.nats_bus import DEAD_CODE_HEADER, DEAD_REASON_HEADER, DEAD_SUBJECT_HEADER
+from gyre.bus.wire import DEAD_CODE_HEADER, DEAD_REASON_HEADER, DEAD_SUBJECT_HEADER
 from gyre.v1 import events_pb2
 from gyre.validation import is_early, step_problem
 from services.rollout.steps import BusStepSink
