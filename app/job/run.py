@@ -212,7 +212,7 @@ async def _stored_calls(address: str, run_id: str) -> int:
         reply = await trajectory_pb2_grpc.TrajectoryStub(channel).GetStats(
             trajectory_pb2.GetStatsRequest(run_id=run_id), timeout=10
         )
-    return int(reply.values.get("stored_calls", 0))
+    return int(reply.stats.stored_calls)
 
 
 async def stop_producers_and_wait_for_ingest(

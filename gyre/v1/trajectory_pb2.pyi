@@ -142,7 +142,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("values",)
+    __slots__ = ("values", "stats")
     class ValuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,5 +151,45 @@ class GetStatsResponse(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     values: _containers.ScalarMap[str, float]
-    def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    stats: TrajectoryStats
+    def __init__(self, values: _Optional[_Mapping[str, float]] = ..., stats: _Optional[_Union[TrajectoryStats, _Mapping]] = ...) -> None: ...
+
+class TrajectoryStats(_message.Message):
+    __slots__ = ("tree_tokens", "tree_nodes", "executions", "groups_open", "groups_scored", "groups_batched", "groups_dropped_stale", "groups_rejected", "groups_empty", "stored_calls", "stored_nodes", "rejections", "dedup_records", "batches_ready", "batches_delivered", "batches_acked", "latest_weights_version")
+    TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_SCORED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_BATCHED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_EMPTY_FIELD_NUMBER: _ClassVar[int]
+    STORED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    STORED_NODES_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEDUP_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_READY_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_ACKED_FIELD_NUMBER: _ClassVar[int]
+    LATEST_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    tree_tokens: int
+    tree_nodes: int
+    executions: int
+    groups_open: int
+    groups_scored: int
+    groups_batched: int
+    groups_dropped_stale: int
+    groups_rejected: int
+    groups_empty: int
+    stored_calls: int
+    stored_nodes: int
+    rejections: int
+    dedup_records: int
+    batches_ready: int
+    batches_delivered: int
+    batches_acked: int
+    latest_weights_version: int
+    def __init__(self, tree_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., executions: _Optional[int] = ..., groups_open: _Optional[int] = ..., groups_scored: _Optional[int] = ..., groups_batched: _Optional[int] = ..., groups_dropped_stale: _Optional[int] = ..., groups_rejected: _Optional[int] = ..., groups_empty: _Optional[int] = ..., stored_calls: _Optional[int] = ..., stored_nodes: _Optional[int] = ..., rejections: _Optional[int] = ..., dedup_records: _Optional[int] = ..., batches_ready: _Optional[int] = ..., batches_delivered: _Optional[int] = ..., batches_acked: _Optional[int] = ..., latest_weights_version: _Optional[int] = ...) -> None: ...

@@ -217,8 +217,8 @@ class TrainerService(Service):
                 stats = await self.trajectory.GetStats(
                     trajectory_pb2.GetStatsRequest(run_id=self.common.run_id)
                 )
-                self.backlog_groups = int(stats.values.get("groups_state_scored", 0.0))
-                self.backlog_ready_batches = int(stats.values.get("batches_ready", 0.0))
+                self.backlog_groups = stats.stats.groups_scored
+                self.backlog_ready_batches = stats.stats.batches_ready
                 await self.refresh_pool()
             except grpc.aio.AioRpcError as exc:  # a peer briefly away: the last figures stand
                 self.rt.count_error("watch_backlog", exc)

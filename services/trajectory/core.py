@@ -1,6 +1,7 @@
 """The trajectory service's state and operations, independent of transport (NATS, gRPC).
 
-`TrajectoryCore` wires three parts, each readable alone, over one in-memory state
+`TrajectoryCore` builds three parts, each readable alone and called directly (`core.ingest`,
+`core.scoring`, `core.batching`; `core.state` is what they share), over one in-memory state
 (services/trajectory/state.py) and the Postgres store (services/trajectory/store.py):
 
 - ingest (services/trajectory/ingest.py): steps -> task trees, execution events -> executions;
@@ -28,12 +29,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Awaitable, Callable
 
 import sqlalchemy as sa
 
 from gyre.errors import NotFound
-from gyre.v1 import events_pb2, trajectory_pb2
+from gyre.v1 import trajectory_pb2
 from services.trajectory.batching import Batcher
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.group_scoring import GroupScoring
@@ -41,15 +41,12 @@ from services.trajectory.ingest import StepIngest, validate_step
 from services.trajectory.scoring import load_scorer
 from services.trajectory.state import (
     CommitQueue,
-    ExecInfo,
-    GroupInfo,
     TrajectoryState,
     progress_from_pb,
 )
 from services.trajectory.store import TrajectoryStore
-from services.trajectory.tree import TaskTree
 
-__all__ = ["TrajectoryCore", "progress_from_pb", "validate_step"]
+__all__ = ["TrajectoryCore", "progress_from_pb", "typed_stats", "validate_step"]
 
 
 class TrajectoryCore:
@@ -68,58 +65,9 @@ class TrajectoryCore:
         self.scoring = GroupScoring(run_id, cfg, self.state, self.store, self.commits, scorer, self.counters)
         self.batching = Batcher(run_id, cfg, self.state, self.store, self.commits, self.counters)
 
-    # The state, as the queries and the tests read it.
-    @property
-    def trees(self) -> dict[str, TaskTree]:
-        return self.state.trees
-
-    @property
-    def executions(self) -> dict[str, ExecInfo]:
-        return self.state.executions
-
-    @property
-    def groups(self) -> dict[str, GroupInfo]:
-        return self.state.groups
-
-    @property
-    def batch_ready(self) -> asyncio.Event:
-        return self.batching.batch_ready
-
-    @property
-    def announce(self) -> Callable[[events_pb2.BatchReadyEvent], Awaitable[None]] | None:
-        return self.batching.announce
-
-    @announce.setter
-    def announce(self, fn: Callable[[events_pb2.BatchReadyEvent], Awaitable[None]] | None) -> None:
-        self.batching.announce = fn
-
     def load(self) -> None:
         """(Re)build the in-memory state from Postgres (sync; call at start or via to_thread)."""
         self.state.load(self.store)
-
-    # ------------------------------------------------------------------ the parts' operations
-    async def ingest_steps(self, steps: list[events_pb2.StepEvent]) -> trajectory_pb2.IngestSummary:
-        return await self.ingest.ingest_steps(steps)
-
-    async def insert_steps(
-        self, steps: list[events_pb2.StepEvent]
-    ) -> tuple[trajectory_pb2.IngestSummary, asyncio.Future[None]]:
-        return await self.ingest.insert_steps(steps)
-
-    async def ingest_executions(self, events: list[events_pb2.ExecutionEvent]) -> int:
-        return await self.ingest.ingest_executions(events)
-
-    async def score_ready_groups(self) -> list[events_pb2.GroupScoredEvent]:
-        return await self.scoring.score_ready_groups()
-
-    async def build_announced_batch(self) -> events_pb2.BatchReadyEvent | None:
-        return await self.batching.build_announced_batch()
-
-    async def pull(self, req: trajectory_pb2.PullBatchRequest) -> list[trajectory_pb2.BatchChunk]:
-        return await self.batching.pull(req)
-
-    async def ack(self, req: trajectory_pb2.AckBatchRequest) -> None:
-        await self.batching.ack(req)
 
     # ------------------------------------------------------------------ queries
     def export(self, execution_id: str) -> trajectory_pb2.ExportExecutionResponse:
@@ -155,3 +103,31 @@ class TrajectoryCore:
             out[f"groups_state_{state}"] = float(sum(1 for g in st.groups.values() if g.state == state))
         out.update(await asyncio.to_thread(self.store.counts))
         return out
+
+
+def typed_stats(values: dict[str, float], latest_weights_version: int) -> trajectory_pb2.TrajectoryStats:
+    """The fixed figures of `TrajectoryCore.stats()` as the typed message clients read (a figure
+    that has no counter yet, e.g. no batch acked so far, is 0)."""
+
+    def n(key: str) -> int:
+        return int(values.get(key, 0.0))
+
+    return trajectory_pb2.TrajectoryStats(
+        tree_tokens=n("tree_tokens"),
+        tree_nodes=n("tree_nodes"),
+        executions=n("executions"),
+        groups_open=n("groups_state_open"),
+        groups_scored=n("groups_state_scored"),
+        groups_batched=n("groups_state_batched"),
+        groups_dropped_stale=n("groups_state_dropped_stale"),
+        groups_rejected=n("groups_state_rejected"),
+        groups_empty=n("groups_state_empty"),
+        stored_calls=n("stored_calls"),
+        stored_nodes=n("stored_nodes"),
+        rejections=n("rejections"),
+        dedup_records=n("dedup_records"),
+        batches_ready=n("batches_ready"),
+        batches_delivered=n("batches_delivered"),
+        batches_acked=n("batches_acked"),
+        latest_weights_version=latest_weights_version,
+    )

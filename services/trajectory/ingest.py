@@ -32,7 +32,8 @@ import numpy as np
 
 from gyre.errors import InvalidArgument
 from gyre.v1 import events_pb2, trajectory_pb2
-from services.trajectory.scoring import Ending, Outcome, ProgressSignals, Scorer, validate_progress
+from gyre.validation import step_problem
+from services.trajectory.scoring import Ending, Outcome, ProgressSignals, Scorer
 from services.trajectory.state import (
     CommitQueue,
     ExecInfo,
@@ -65,28 +66,14 @@ REMEMBERED_TOKENS = 16 * 1024 * 1024
 
 
 def validate_step(step: events_pb2.StepEvent) -> np.ndarray:
-    """Raise InvalidArgument naming the problem; return the completion log-probs (float32) of a valid step."""
-    for name in ("run_id", "task_id", "group_id", "execution_id"):
-        if not getattr(step, name):
-            raise InvalidArgument(f"step {step.event_id!r}: {name} is empty")
-    if step.call_seq < 0:
-        raise InvalidArgument(f"step {step.execution_id}.{step.call_seq}: call_seq must be >= 0")
-    n = len(step.completion_token_ids)
-    if not (n == len(step.completion_logprobs) == len(step.completion_versions)):
-        raise InvalidArgument(
-            f"step {step.execution_id}.{step.call_seq}: completion_token_ids ({n}), completion_logprobs "
-            f"({len(step.completion_logprobs)}) and completion_versions ({len(step.completion_versions)}) differ in length"
-        )
-    if n + len(step.prompt_token_ids) == 0:
-        raise InvalidArgument(f"step {step.execution_id}.{step.call_seq}: no prompt and no completion tokens")
-    lp = np.array(step.completion_logprobs, dtype=LOGPROB_DTYPE)
-    if n and not (np.isfinite(lp.sum()) and lp.max() <= 1e-3):
-        raise InvalidArgument(
-            f"step {step.execution_id}.{step.call_seq}: completion_logprobs must be finite and <= 0"
-        )
-    if step.HasField("progress"):
-        validate_progress(progress_from_pb(step.progress), step.execution_id)
-    return lp
+    """Raise InvalidArgument naming the problem; return the completion log-probs (float32) of a valid
+    step. "Valid" is `gyre.validation.step_problem`, the one definition the producer and the
+    trajectory's validation stage also apply (the vocabulary and version checks run there, with
+    the run's limits; this is the store's last line of defence on content alone)."""
+    problem = step_problem(step)
+    if problem is not None:
+        raise InvalidArgument(problem.reason)
+    return np.array(step.completion_logprobs, dtype=LOGPROB_DTYPE)
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from gyre.errors import Unavailable
 from gyre.service import Runtime, Service
 from gyre.v1 import events_pb2, trajectory_pb2, trajectory_pb2_grpc
 from services.trajectory.config import TrajectoryConfig
-from services.trajectory.core import TrajectoryCore
+from services.trajectory.core import TrajectoryCore, typed_stats
 from services.trajectory.validation import MAX_PULL_WAIT_S, StepGate
 
 log = logging.getLogger("gyre.trajectory")
@@ -55,7 +55,7 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
             total.num_waiting += len(gated.early)  # resend them once their weights version is published
             total.errors.extend(p.reason for _, p in gated.refused[: max(0, 100 - len(total.errors))])
             pending[:] = gated.valid
-            s = await self.core.ingest_steps(pending)
+            s = await self.core.ingest.ingest_steps(pending)
             total.num_received += s.num_received
             total.num_stored += s.num_stored
             total.num_duplicates += s.num_duplicates
@@ -86,7 +86,7 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
         checked.CopyFrom(request)
         checked.current_version = self.gate.clamp_version(request.current_version)
         checked.wait_s = min(request.wait_s, MAX_PULL_WAIT_S)
-        for chunk in await self.core.pull(checked):
+        for chunk in await self.core.batching.pull(checked):
             yield chunk
 
     @rpc.error_boundary
@@ -97,7 +97,7 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
         b = await asyncio.to_thread(self.core.store.get_batch, request.batch_id)
         if b is not None:
             self.gate.check_owner(request.consumer, b.consumer, request.batch_id)
-        await self.core.ack(request)
+        await self.core.batching.ack(request)
         return trajectory_pb2.AckBatchResponse()
 
     @rpc.error_boundary
@@ -113,7 +113,9 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
         values = await self.core.stats()
         values.update({k: float(v) for k, v in self.gate.counters.items()})
         values["latest_weights_version"] = float(self.gate.latest_version)
-        return trajectory_pb2.GetStatsResponse(values=values)
+        return trajectory_pb2.GetStatsResponse(
+            values=values, stats=typed_stats(values, max(0, int(self.gate.latest_version)))
+        )
 
 
 class TrajectoryService(Service):
@@ -137,7 +139,7 @@ class TrajectoryService(Service):
         async def announce(ev: events_pb2.BatchReadyEvent) -> None:
             await rt.bus.publish(subjects.paths_batch(run_id), ev, msg_id=ev.event_id)
 
-        core.announce = announce
+        core.batching.announce = announce
 
         async def dead_letter(subject: str, payload: bytes, type_name: str, code: str, reason: str) -> None:
             await rt.bus.dead_letter(subject, payload, type_name, code, reason, service=self.name)
@@ -198,7 +200,7 @@ class TrajectoryService(Service):
         the next batch meanwhile (inserted in stream order, committed in the same order)."""
         assert self.core is not None and self.gate is not None
         gated = await self.gate.split(msgs)  # refused steps are dead-lettered (and acked) here
-        summary, committed = await self.core.insert_steps(gated.valid)
+        summary, committed = await self.core.ingest.insert_steps(gated.valid)
         for err in summary.errors[:5]:
             log.warning("rejected step: %s", err)
         if not gated.early and not summary.num_waiting:
@@ -215,15 +217,15 @@ class TrajectoryService(Service):
         # Invalid events are dead-lettered here and still handed to ingest, which refuses them too
         # and keeps them in traj_rejections (the run's own record, next to its trees).
         await self.gate.split_executions(msgs)
-        await self.core.ingest_executions(msgs)
+        await self.core.ingest.ingest_executions(msgs)
 
     async def poll_once(self) -> None:
         """Score ready groups and build announced batches, publishing their events."""
         assert self.core is not None and self.bus is not None
         run = self.common.run_id
-        for ev in await self.core.score_ready_groups():
+        for ev in await self.core.scoring.score_ready_groups():
             await self.bus.publish(subjects.paths_scored(run), ev, msg_id=ev.event_id)
-        while (ready := await self.core.build_announced_batch()) is not None:
+        while (ready := await self.core.batching.build_announced_batch()) is not None:
             await self.bus.publish(subjects.paths_batch(run), ready, msg_id=ready.event_id)
 
     async def _poll_loop(self) -> None:

@@ -52,17 +52,17 @@ async def test_each_calls_progress_is_kept_and_credited_to_that_call(database_ur
                 common_pb2.ProgressSignal(milestones_reached=reached[ex.execution_id][k], milestones_total=4)
             )
             steps.append(st)
-    await core.ingest_steps(steps)
+    await core.ingest.ingest_steps(steps)
     for ex in execs:
         ex.finished, ex.milestones_reached = False, reached[ex.execution_id][-1]
-    await core.ingest_executions([end_event("rp", ex) for ex in execs])
+    await core.ingest.ingest_executions([end_event("rp", ex) for ex in execs])
     for ex in execs:
-        kept = core.executions[ex.execution_id].step_progress
+        kept = core.state.executions[ex.execution_id].step_progress
         assert [kept[c.call_seq].milestones_reached for c in ex.calls] == reached[ex.execution_id]
 
-    events = await core.score_ready_groups()
+    events = await core.scoring.score_ready_groups()
     assert len(events) == 1
-    (group,) = [g.scored for g in core.groups.values() if g.scored is not None]
+    (group,) = [g.scored for g in core.state.groups.values() if g.scored is not None]
     # Exact duplicates (same tokens) are trained once with the mean of their members' per-call
     # advantages; this made-up progress differs between duplicates, so check the single ones.
     singles = [e for e in group.executions if e.multiplicity == 1]
@@ -79,6 +79,6 @@ async def test_each_calls_progress_is_kept_and_credited_to_that_call(database_ur
     fresh = TrajectoryCore("rp", cfg, engine)
     await asyncio.to_thread(fresh.load)
     for ex in execs:
-        kept = fresh.executions[ex.execution_id].step_progress
+        kept = fresh.state.executions[ex.execution_id].step_progress
         assert [kept[c.call_seq].milestones_reached for c in ex.calls] == reached[ex.execution_id]
     engine.dispose()

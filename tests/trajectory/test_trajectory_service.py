@@ -417,12 +417,14 @@ async def test_a_failed_commit_changes_nothing_and_the_retried_batch_is_stored_e
     core.store.commit_steps = flaky_commit  # type: ignore[method-assign]
     first = [step_event("r", c) for c in execs[0].calls]
     second = [step_event("r", c) for c in execs[1].calls]
-    a = asyncio.create_task(core.ingest_steps(first))
-    b = asyncio.create_task(core.ingest_steps(second))  # if chained after the failing one, it fails too
+    a = asyncio.create_task(core.ingest.ingest_steps(first))
+    b = asyncio.create_task(
+        core.ingest.ingest_steps(second)
+    )  # if chained after the failing one, it fails too
     results = await asyncio.gather(a, b, return_exceptions=True)
     assert isinstance(results[0], RuntimeError)
     for batch in (first, second):  # redelivered: stored now, or already stored
-        summary = await core.ingest_steps(batch)
+        summary = await core.ingest.ingest_steps(batch)
         assert summary.num_stored + summary.num_duplicates == len(batch)
     assert (await fresh_count(engine)) == len(first) + len(second)
     expected = TaskTree("t")
@@ -431,7 +433,7 @@ async def test_a_failed_commit_changes_nothing_and_the_retried_batch_is_stored_e
             expected.insert_call(ex.execution_id, c.call_seq, c.prompt, c.completion, c.logprobs, c.versions)
     fresh = TrajectoryCore("r", TrajectoryConfig(), engine)
     await asyncio.to_thread(fresh.load)
-    assert fresh.trees[execs[0].task_id].num_tokens == expected.num_tokens
+    assert fresh.state.trees[execs[0].task_id].num_tokens == expected.num_tokens
     resp = fresh.export(execs[0].execution_id)
     assert [list(c.prompt_token_ids) for c in resp.calls] == [c.prompt.tolist() for c in execs[0].calls]
     engine.dispose()
