@@ -171,13 +171,20 @@ class RunTracker:
             counts[role] = counts.get(role, 0) + 1
         return " ".join(f"{role}={n}" for role, n in sorted(counts.items())) or "(no leases yet)"
 
+    def step_label(self) -> str:
+        """`step N/TARGET`, never past the target: a step the trainer finished while the job was
+        stopping it is counted as extra, not as a step beyond 100%."""
+        shown = min(self.version, self.target_steps)
+        extra = self.version - shown
+        return f"step {shown}/{self.target_steps}" + (f" (+{extra} while stopping)" if extra else "")
+
     def line(self) -> str:
         r = self.recent_reward()
         r0 = self.first_reward()
         reward = f"{r:.3f} (step-0 {r0:.3f})" if r is not None and r0 is not None else "n/a"
         loss = self.last_metrics.get("loss")
         return (
-            f"step {self.version}/{self.target_steps}  reward {reward}  "
+            f"{self.step_label()}  reward {reward}  "
             f"{'loss ' + format(loss, '.4f') + '  ' if loss is not None else ''}"
             f"{self.health() + '  ' if self.health() else ''}"
             f"devices {self.role_summary()}  tokens/s {self.tokens_per_s():.0f}  "

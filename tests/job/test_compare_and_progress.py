@@ -58,3 +58,14 @@ def test_tracker_reaches_the_target_step_and_prints_progress(
     assert tracker.step_versions == [1, 2, 3]
     assert tracker.roles == {"cpu0-0": "rollout", "cpu0-1": "rollout", "cpu0-2": "rollout", "cpu0-3": "train"}
     assert "step 3/3" in console.export_text()
+
+
+def test_the_progress_line_never_counts_past_the_target_step(
+    tmp_path: Path, synthetic_run: Callable[..., Path]
+) -> None:
+    synthetic_run(tmp_path, num_steps=4, reward_slope=0.1)
+    tracker = RunTracker(target_steps=3)
+    for record in read_events(tmp_path / EVENT_LOG_NAME):
+        tracker.update(record)
+    assert tracker.version == 4
+    assert tracker.line().startswith("step 3/3 (+1 while stopping)")
