@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run run-byo run-hf test lint typecheck unit proto bench bench-elastic sim docs-numbers clean
+.PHONY: help venv run run-byo run-hf test test-fast lint typecheck unit proto bench bench-elastic sim docs-numbers clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -34,6 +34,9 @@ run-hf: $(STAMP) ## train a tiny HF Llama checkpoint (written if missing) with e
 
 test: $(STAMP) lint typecheck ## lint, type-check and run every test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP) ## the quick tier: every test not marked slow or e2e (about 2 minutes; `make test` runs all)
+	$(BIN)/python -m pytest -m "not slow and not e2e" $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff lint, format check, and the import-linter layer contracts
 	$(BIN)/ruff check .

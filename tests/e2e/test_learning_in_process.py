@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_loop.py"
 
 
@@ -31,6 +33,7 @@ def load_example() -> ModuleType:
     return module
 
 
+@pytest.mark.slow
 async def test_the_example_loop_learns_well_above_the_random_policy() -> None:
     rl_loop = load_example()
     settings = dataclasses.replace(rl_loop.LearningSettings(), iterations=20, seed=0)

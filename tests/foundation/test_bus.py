@@ -149,6 +149,7 @@ async def test_a_duplicate_publish_with_the_same_msg_id_is_stored_once(bus: Bus,
     assert seen == ["e1.0", "e1.1"]
 
 
+@pytest.mark.slow
 async def test_a_durable_consumer_resumes_after_its_last_ack(bus: Bus, run_id: str) -> None:
     subject, durable = subjects.executions(run_id, "t1"), f"{run_id}-resume"
     seen: list[str] = []

@@ -14,6 +14,7 @@ from app.job.eventlog import EVENT_LOG_NAME, read_events
 from app.job.progress import LiveProgress, RunTracker
 
 
+@pytest.mark.slow
 def test_compare_prints_each_run_side_by_side(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], synthetic_run: Callable[..., Path]
 ) -> None:

@@ -54,6 +54,7 @@ def test_faults_are_spread_over_the_run_in_order_and_before_its_last_two_steps()
     assert all(0.0 <= f.delay_s <= 3.0 for f in faults)
 
 
+@pytest.mark.slow
 def test_a_report_of_a_run_that_did_not_complete_says_so_and_never_that_it_learned(tmp_path: Path) -> None:
     write_synthetic_run(tmp_path, num_steps=10, reward_slope=0.06)  # rising reward: would be "learned"
     (tmp_path / OUTCOME_NAME).write_text(json.dumps({"completed": False, "reason": "service down for good"}))
@@ -74,6 +75,7 @@ def test_the_same_run_completed_is_judged_learned(tmp_path: Path) -> None:
     assert report.summary["completed"] is True and report.summary["learned"] is True
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_trainer_killed_and_restarted_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path) -> None:
     from app.exactly_once import run_probe

@@ -96,6 +96,7 @@ def _wait_for_file(path: Path, proc: subprocess.Popen[str], timeout_s: float) ->
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_gyre_up_serves_health_status_and_metrics_then_stops_on_sigterm_without_orphans(
     tmp_path: Path,
 ) -> None:
@@ -170,6 +171,7 @@ def test_gyre_up_check_starts_every_service_verifies_health_and_metrics_and_leav
     assert leftovers == []
 
 
+@pytest.mark.slow
 def test_a_service_that_dies_while_starting_fails_the_start_with_its_log_and_stops_the_rest(
     tmp_path: Path, nats_url: str, database_url: str
 ) -> None:

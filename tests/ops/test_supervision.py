@@ -69,6 +69,7 @@ def test_restart_backoff_doubles_up_to_its_bound_and_the_budget_is_counted() -> 
     assert policy.allows(2) and not policy.allows(3)
 
 
+@pytest.mark.slow
 @needs_light
 def test_a_killed_service_is_restarted_on_the_same_address_and_the_restart_is_counted(
     tmp_path: Path, nats_url: str, database_url: str
@@ -93,6 +94,7 @@ def test_a_killed_service_is_restarted_on_the_same_address_and_the_restart_is_co
     assert log.count(f"GYRE_READY {LIGHT}") == 2  # both incarnations wrote to the same log
 
 
+@pytest.mark.slow
 @needs_light
 def test_a_service_that_spends_its_restart_budget_is_given_up_and_reported(
     tmp_path: Path, nats_url: str, database_url: str
@@ -129,6 +131,7 @@ def test_with_restarts_off_a_dead_service_is_reported_with_its_log(
     assert restarts == []
 
 
+@pytest.mark.slow
 @needs_light
 def test_a_killed_embedded_nats_server_comes_back_on_its_port_with_its_streams_and_clients_resume(
     tmp_path: Path, database_url: str
@@ -174,6 +177,7 @@ def test_a_killed_embedded_nats_server_comes_back_on_its_port_with_its_streams_a
     assert scheduler_health == "SERVING"
 
 
+@pytest.mark.slow
 def test_an_engine_whose_loop_raises_fails_its_pending_requests_and_its_service_exits_1(
     nats_url: str, database_url: str
 ) -> None:

@@ -128,6 +128,7 @@ def test_workspace_paths_that_stay_inside_are_allowed_and_final_symlinks_are_not
         ws.close()
 
 
+@pytest.mark.slow
 async def test_workspace_command_is_killed_at_its_timeout_and_has_no_network() -> None:
     from services.rollout.environments.sandbox import SandboxLimits, network_namespace_available
 
@@ -271,6 +272,7 @@ def workspace_at(level: str) -> Workspace:
     return ws
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", fallback_levels())
 async def test_processes_that_escape_their_command_are_gone_after_it_and_after_close(level: str) -> None:
     ws = workspace_at(level)

@@ -162,6 +162,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.slow
 async def test_an_agent_past_its_timeout_is_killed_with_its_children_and_truncated(stack, tmp_path) -> None:
     bus, sink, endpoint, port = stack
     tasks = tmp_path / "tasks.jsonl"

@@ -132,6 +132,7 @@ def test_tool_call_payload_is_parsed_into_openai_tool_calls() -> None:
     assert turn.tool_calls[0].name == "run"
 
 
+@pytest.mark.slow
 async def test_vllm_engine_protocol_against_gyres_own_endpoint(nats_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Not a real vLLM: the VLLMEngine client talks to Gyre's endpoint, which implements the same routes."""
     from services.rollout.engines.vllm_engine import VLLMEngine

@@ -17,6 +17,7 @@ from gyre.v1 import common_pb2, events_pb2, rollout_pb2, rollout_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 async def test_service_runs_executions_answers_grpc_and_stops_cleanly(
     nats_url: str, postgres_url: str, tmp_path: Path
 ) -> None:

@@ -102,6 +102,7 @@ def assert_one_holder_each(pool: scheduler_pb2.GetPoolResponse) -> None:
             assert lease.state in (common_pb2.LEASE_STATE_ACTIVE, common_pb2.LEASE_STATE_DRAINING)
 
 
+@pytest.mark.slow
 async def test_handoff_survives_a_scheduler_restart_without_a_double_holder(
     nats_url: str, database_url: str, run_dir: Path
 ) -> None:
@@ -258,6 +259,7 @@ async def wait_until(predicate: Any, timeout_s: float = 30) -> None:
             await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 async def test_lease_clients_move_a_device_both_ways_and_count_what_they_ignore(
     nats_url: str, database_url: str, run_dir: Path
 ) -> None:

@@ -43,6 +43,7 @@ def _config(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_gyre_up_deployment_refuses_anonymous_clients_on_nats_grpc_and_postgres(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -65,6 +65,7 @@ def _weights(run_id: str, version: int) -> events_pb2.WeightsPublishedEvent:
     )
 
 
+@pytest.mark.slow
 async def test_an_anonymous_client_cannot_connect_so_cannot_publish_to_any_gyre_subject(
     secured_nats: str, admin_bus: Bus
 ) -> None:
@@ -80,6 +81,7 @@ async def test_an_anonymous_client_cannot_connect_so_cannot_publish_to_any_gyre_
         assert info.state.messages == 0, f"{spec.name} holds messages nobody authorised published"
 
 
+@pytest.mark.slow
 async def test_the_rollouts_credentials_cannot_publish_a_lease_or_a_weights_event(
     secured_nats: str, admin_bus: Bus
 ) -> None:
@@ -117,6 +119,7 @@ async def test_the_rollouts_credentials_cannot_publish_a_lease_or_a_weights_even
     assert await _count(admin_bus, "GYRE_WEIGHTS", subjects.weights(run_id)) == 1
 
 
+@pytest.mark.slow
 async def test_the_observer_reads_but_cannot_publish_or_manage_streams(
     secured_nats: str, admin_bus: Bus
 ) -> None:

@@ -86,6 +86,7 @@ def test_a_batch_is_cut_into_micro_batches_of_whole_trees_under_the_budget():
     assert torch.equal(torch.cat([m.token_ids for m in micro]), batch.token_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("normalise", [False, True], ids=["plain", "batch-normalised advantages"])
@@ -196,6 +197,7 @@ async def test_a_trainer_holding_no_device_pulls_nothing_until_a_device_is_lease
     trainer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_cpu_slot_given_back_while_its_worker_boots_keeps_the_worker_for_the_next_grant(tmp_path):

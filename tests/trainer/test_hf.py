@@ -41,6 +41,7 @@ def _tiny(kind: str, tie: bool):
     return model.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("qwen2", False)])
 def test_imported_hf_model_gives_the_same_logits_and_exports_back_exactly(tmp_path, kind, tie):
     import transformers

@@ -265,6 +265,7 @@ SCHEDULE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 async def test_a_streamed_step_resized_mid_step_equals_one_batch_on_one_rank(tmp_path):

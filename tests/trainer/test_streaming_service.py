@@ -144,6 +144,7 @@ def _groups() -> list[list[GeneratedExecution]]:
     return [[e for e in execs if e.group_id == g] for g in sorted({e.group_id for e in execs})]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_a_step_is_trained_from_parts_pulled_as_their_groups_were_scored(
     nats_url, database_url, tmp_path
@@ -243,6 +244,7 @@ async def _part(traj: Trajectory, **kw: object) -> list[trajectory_pb2.BatchChun
     return [c async for c in traj.stub.PullBatch(req)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_a_part_takes_a_group_at_once_and_a_full_step_is_answered_without_waiting(
     nats_url, database_url
@@ -274,6 +276,7 @@ async def test_a_part_takes_a_group_at_once_and_a_full_step_is_answered_without_
         await traj.stop()
 
 
+@pytest.mark.slow
 async def test_a_streamed_step_is_full_once_its_parts_hold_what_a_whole_batch_would(nats_url, database_url):
     run_id = f"fill{random.randrange(1 << 30)}"
     traj = await Trajectory().start(

@@ -152,6 +152,7 @@ async def pull(run: Running, **kw: object) -> list[trajectory_pb2.BatchChunk]:
     return [c async for c in run.stub.PullBatch(trajectory_pb2.PullBatchRequest(consumer="trainer-0", **kw))]  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 async def test_pull_batch_hands_each_path_out_once_even_across_a_restart(nats_url, database_url):
     run_id = unique_run()
     execs = generate(TINY)
@@ -208,6 +209,7 @@ class engine_scope:  # noqa: N801 - reads as a with-statement helper
         self.conn.close()
 
 
+@pytest.mark.slow
 async def test_nan_reward_is_rejected_with_a_clear_error_and_nothing_is_lost(nats_url, database_url):
     run_id = unique_run()
     execs = generate(TINY)
@@ -262,6 +264,7 @@ async def test_unknown_batch_and_execution_are_not_found(nats_url, database_url)
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_compact_steps_rebuild_exact_prompts_and_wait_for_their_base_call(nats_url, database_url):
     from services.trajectory.synthetic import compact_step_events
 
@@ -286,6 +289,7 @@ async def test_compact_steps_rebuild_exact_prompts_and_wait_for_their_base_call(
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_unfinished_executions_are_scored_as_partial_after_the_configured_wait(nats_url, database_url):
     run_id = unique_run()
     execs = generate(TINY)
@@ -313,6 +317,7 @@ async def test_unfinished_executions_are_scored_as_partial_after_the_configured_
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_groups_older_than_the_staleness_bound_are_dropped_not_trained(nats_url, database_url):
     run_id = unique_run()
     execs = generate(TINY)
@@ -359,6 +364,7 @@ async def test_export_command_prints_every_call_as_json(nats_url, database_url, 
         await run.stop()
 
 
+@pytest.mark.slow
 async def test_service_process_starts_migrates_serves_and_stops_cleanly(nats_url, database_url):
     import os
     import signal
@@ -452,6 +458,7 @@ async def _collect(bus: Bus, subject: str, msg_type, out: list) -> None:  # type
         out.append(msg)
 
 
+@pytest.mark.slow
 async def test_a_group_with_nothing_to_train_is_skipped_and_pulled_batches_are_announced(
     nats_url, database_url
 ):
