@@ -25,7 +25,9 @@ def import_cycles() -> list[list[str]]:
         sys.path.insert(0, str(ROOT))
     graph = grimp.build_graph(*PACKAGES, cache_dir=None)
     modules = sorted(m for m in graph.modules if not m.startswith("gyre.v1"))
-    edges = {m: sorted(d for d in graph.find_modules_directly_imported_by(m) if d in modules) for m in modules}
+    edges = {
+        m: sorted(d for d in graph.find_modules_directly_imported_by(m) if d in modules) for m in modules
+    }
     return [sorted(c) for c in _strongly_connected(modules, edges) if len(c) > 1]
 
 
