@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gyre.v1 import common_pb2 as gyre_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gyre/v1/scheduler.proto\x12\x07gyre.v1\x1a\x14gyre/v1/common.proto\"n\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12 \n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x0f.gyre.v1.Device\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"V\n\x16RegisterWorkerResponse\x12\x1e\n\x06leases\x18\x01 \x03(\x0b\x32\x0e.gyre.v1.Lease\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"3\n\x11HeartbeatResponse\x12\x1e\n\x06leases\x18\x01 \x03(\x0b\x32\x0e.gyre.v1.Lease\"\x92\x03\n\nWorkerLoad\x12\x17\n\x0flive_executions\x18\x01 \x01(\x05\x12\x1a\n\x12queued_generations\x18\x02 \x01(\x05\x12\x1b\n\x13running_generations\x18\x03 \x01(\x05\x12\x1e\n\x16waiting_on_environment\x18\x04 \x01(\x05\x12\x1f\n\x17trainer_backlog_batches\x18\x05 \x01(\x05\x12\x16\n\x0etrainer_step_s\x18\x06 \x01(\x01\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x17\n\x0f\x65ngine_capacity\x18\x08 \x01(\x05\x12\x1e\n\x16trainer_backlog_groups\x18\t \x01(\x05\x12 \n\x18trainer_step_in_progress\x18\n \x01(\x08\x12\'\n\x1ftrainer_remaining_work_device_s\x18\x0b \x01(\x01\x12\x17\n\x0ftrainer_dp_size\x18\x0c \x01(\x05\x12$\n\x07\x65ngines\x18\r \x03(\x0b\x32\x13.gyre.v1.EngineLoad\"_\n\nEngineLoad\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x12\n\nexecutions\x18\x02 \x01(\x05\x12\x12\n\ngenerating\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_tokens\x18\x04 \x01(\x03\"I\n\x11ReportLoadRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12!\n\x04load\x18\x02 \x01(\x0b\x32\x13.gyre.v1.WorkerLoad\"\x14\n\x12ReportLoadResponse\"E\n\x0eReleaseRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"E\n\x0e\x41\x63quireRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\".\n\rLeaseResponse\x12\x1d\n\x05lease\x18\x01 \x01(\x0b\x32\x0e.gyre.v1.Lease\"\x10\n\x0eGetPoolRequest\"c\n\x0fGetPoolResponse\x12\x1e\n\x06leases\x18\x01 \x03(\x0b\x32\x0e.gyre.v1.Lease\x12 \n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x0f.gyre.v1.Device\x12\x0e\n\x06policy\x18\x03 \x01(\t\"\"\n\x10SetPolicyRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\",\n\x11SetPolicyResponse\x12\x17\n\x0fprevious_policy\x18\x01 \x01(\t2\xe3\x03\n\tScheduler\x12Q\n\x0eRegisterWorker\x12\x1e.gyre.v1.RegisterWorkerRequest\x1a\x1f.gyre.v1.RegisterWorkerResponse\x12\x42\n\tHeartbeat\x12\x19.gyre.v1.HeartbeatRequest\x1a\x1a.gyre.v1.HeartbeatResponse\x12\x45\n\nReportLoad\x12\x1a.gyre.v1.ReportLoadRequest\x1a\x1b.gyre.v1.ReportLoadResponse\x12:\n\x07Release\x12\x17.gyre.v1.ReleaseRequest\x1a\x16.gyre.v1.LeaseResponse\x12:\n\x07\x41\x63quire\x12\x17.gyre.v1.AcquireRequest\x1a\x16.gyre.v1.LeaseResponse\x12<\n\x07GetPool\x12\x17.gyre.v1.GetPoolRequest\x1a\x18.gyre.v1.GetPoolResponse\x12\x42\n\tSetPolicy\x12\x19.gyre.v1.SetPolicyRequest\x1a\x1a.gyre.v1.SetPolicyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gyre/v1/scheduler.proto\x12\x07gyre.v1\x1a\x14gyre/v1/common.proto\"n\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12 \n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x0f.gyre.v1.Device\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"V\n\x16RegisterWorkerResponse\x12\x1e\n\x06leases\x18\x01 \x03(\x0b\x32\x0e.gyre.v1.Lease\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"3\n\x11HeartbeatResponse\x12\x1e\n\x06leases\x18\x01 \x03(\x0b\x32\x0e.gyre.v1.Lease\"\xa9\x03\n\nWorkerLoad\x12\x17\n\x0flive_executions\x18\x01 \x01(\x05\x12\x1a\n\x12queued_generations\x18\x02 \x01(\x05\x12\x1b\n\x13running_generations\x18\x03 \x01(\x05\x12\x1e\n\x16waiting_on_environment\x18\x04 \x01(\x05\x12\x1f\n\x17trainer_backlog_batches\x18\x05 \x01(\x05\x12\x16\n\x0etrainer_step_s\x18\x06 \x01(\x01\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x17\n\x0f\x65ngine_capacity\x18\x08 \x01(\x05\x12\x1e\n\x16trainer_backlog_groups\x18\t \x01(\x05\x12 \n\x18trainer_step_in_progress\x18\n \x01(\x08\x12\'\n\x1ftrainer_remaining_work_device_s\x18\x0b \x01(\x01\x12\x17\n\x0ftrainer_dp_size\x18\x0c \x01(\x05\x12$\n\x07\x65ngines\x18\r \x03(\x0b\x32\x13.gyre.v1.EngineLoad\x12\x15\n\rbusy_device_s\x18\x0e \x01(\x01\"_\n\nEngineLoad\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x12\n\nexecutions\x18\x02 \x01(\x05\x12\x12\n\ngenerating\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_tokens\x18\x04 \x01(\x03\"I\n\x11ReportLoadRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12!\n\x04load\x18\x02 \x01(\x0b\x32\x13.gyre.v1.WorkerLoad\"\x14\n\x12ReportLoadResponse\"E\n\x0eReleaseRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"E\n\x0e\x41\x63quireRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\".\n\rLeaseResponse\x12\x1d\n\x05lease\x18\x01 \x01(\x0b\x32\x0e.gyre.v1.Lease\"\x10\n\x0eGetPoolRequest\"c\n\x0fGetPoolResponse\x12\x1e\n\x06leases\x18\x01 \x03(\x0b\x32\x0e.gyre.v1.Lease\x12 \n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x0f.gyre.v1.Device\x12\x0e\n\x06policy\x18\x03 \x01(\t\"\"\n\x10SetPolicyRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\",\n\x11SetPolicyResponse\x12\x17\n\x0fprevious_policy\x18\x01 \x01(\t2\xe3\x03\n\tScheduler\x12Q\n\x0eRegisterWorker\x12\x1e.gyre.v1.RegisterWorkerRequest\x1a\x1f.gyre.v1.RegisterWorkerResponse\x12\x42\n\tHeartbeat\x12\x19.gyre.v1.HeartbeatRequest\x1a\x1a.gyre.v1.HeartbeatResponse\x12\x45\n\nReportLoad\x12\x1a.gyre.v1.ReportLoadRequest\x1a\x1b.gyre.v1.ReportLoadResponse\x12:\n\x07Release\x12\x17.gyre.v1.ReleaseRequest\x1a\x16.gyre.v1.LeaseResponse\x12:\n\x07\x41\x63quire\x12\x17.gyre.v1.AcquireRequest\x1a\x16.gyre.v1.LeaseResponse\x12<\n\x07GetPool\x12\x17.gyre.v1.GetPoolRequest\x1a\x18.gyre.v1.GetPoolResponse\x12\x42\n\tSetPolicy\x12\x19.gyre.v1.SetPolicyRequest\x1a\x1a.gyre.v1.SetPolicyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,27 +41,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATRESPONSE']._serialized_start=297
   _globals['_HEARTBEATRESPONSE']._serialized_end=348
   _globals['_WORKERLOAD']._serialized_start=351
-  _globals['_WORKERLOAD']._serialized_end=753
-  _globals['_ENGINELOAD']._serialized_start=755
-  _globals['_ENGINELOAD']._serialized_end=850
-  _globals['_REPORTLOADREQUEST']._serialized_start=852
-  _globals['_REPORTLOADREQUEST']._serialized_end=925
-  _globals['_REPORTLOADRESPONSE']._serialized_start=927
-  _globals['_REPORTLOADRESPONSE']._serialized_end=947
-  _globals['_RELEASEREQUEST']._serialized_start=949
-  _globals['_RELEASEREQUEST']._serialized_end=1018
-  _globals['_ACQUIREREQUEST']._serialized_start=1020
-  _globals['_ACQUIREREQUEST']._serialized_end=1089
-  _globals['_LEASERESPONSE']._serialized_start=1091
-  _globals['_LEASERESPONSE']._serialized_end=1137
-  _globals['_GETPOOLREQUEST']._serialized_start=1139
-  _globals['_GETPOOLREQUEST']._serialized_end=1155
-  _globals['_GETPOOLRESPONSE']._serialized_start=1157
-  _globals['_GETPOOLRESPONSE']._serialized_end=1256
-  _globals['_SETPOLICYREQUEST']._serialized_start=1258
-  _globals['_SETPOLICYREQUEST']._serialized_end=1292
-  _globals['_SETPOLICYRESPONSE']._serialized_start=1294
-  _globals['_SETPOLICYRESPONSE']._serialized_end=1338
-  _globals['_SCHEDULER']._serialized_start=1341
-  _globals['_SCHEDULER']._serialized_end=1824
+  _globals['_WORKERLOAD']._serialized_end=776
+  _globals['_ENGINELOAD']._serialized_start=778
+  _globals['_ENGINELOAD']._serialized_end=873
+  _globals['_REPORTLOADREQUEST']._serialized_start=875
+  _globals['_REPORTLOADREQUEST']._serialized_end=948
+  _globals['_REPORTLOADRESPONSE']._serialized_start=950
+  _globals['_REPORTLOADRESPONSE']._serialized_end=970
+  _globals['_RELEASEREQUEST']._serialized_start=972
+  _globals['_RELEASEREQUEST']._serialized_end=1041
+  _globals['_ACQUIREREQUEST']._serialized_start=1043
+  _globals['_ACQUIREREQUEST']._serialized_end=1112
+  _globals['_LEASERESPONSE']._serialized_start=1114
+  _globals['_LEASERESPONSE']._serialized_end=1160
+  _globals['_GETPOOLREQUEST']._serialized_start=1162
+  _globals['_GETPOOLREQUEST']._serialized_end=1178
+  _globals['_GETPOOLRESPONSE']._serialized_start=1180
+  _globals['_GETPOOLRESPONSE']._serialized_end=1279
+  _globals['_SETPOLICYREQUEST']._serialized_start=1281
+  _globals['_SETPOLICYREQUEST']._serialized_end=1315
+  _globals['_SETPOLICYRESPONSE']._serialized_start=1317
+  _globals['_SETPOLICYRESPONSE']._serialized_end=1361
+  _globals['_SCHEDULER']._serialized_start=1364
+  _globals['_SCHEDULER']._serialized_end=1847
 # @@protoc_insertion_point(module_scope)

@@ -40,7 +40,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, leases: _Optional[_Iterable[_Union[_common_pb2.Lease, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("live_executions", "queued_generations", "running_generations", "waiting_on_environment", "trainer_backlog_batches", "trainer_step_s", "weight_version", "engine_capacity", "trainer_backlog_groups", "trainer_step_in_progress", "trainer_remaining_work_device_s", "trainer_dp_size", "engines")
+    __slots__ = ("live_executions", "queued_generations", "running_generations", "waiting_on_environment", "trainer_backlog_batches", "trainer_step_s", "weight_version", "engine_capacity", "trainer_backlog_groups", "trainer_step_in_progress", "trainer_remaining_work_device_s", "trainer_dp_size", "engines", "busy_device_s")
     LIVE_EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class WorkerLoad(_message.Message):
     TRAINER_REMAINING_WORK_DEVICE_S_FIELD_NUMBER: _ClassVar[int]
     TRAINER_DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_DEVICE_S_FIELD_NUMBER: _ClassVar[int]
     live_executions: int
     queued_generations: int
     running_generations: int
@@ -67,7 +68,8 @@ class WorkerLoad(_message.Message):
     trainer_remaining_work_device_s: float
     trainer_dp_size: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineLoad]
-    def __init__(self, live_executions: _Optional[int] = ..., queued_generations: _Optional[int] = ..., running_generations: _Optional[int] = ..., waiting_on_environment: _Optional[int] = ..., trainer_backlog_batches: _Optional[int] = ..., trainer_step_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., engine_capacity: _Optional[int] = ..., trainer_backlog_groups: _Optional[int] = ..., trainer_step_in_progress: _Optional[bool] = ..., trainer_remaining_work_device_s: _Optional[float] = ..., trainer_dp_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ...) -> None: ...
+    busy_device_s: float
+    def __init__(self, live_executions: _Optional[int] = ..., queued_generations: _Optional[int] = ..., running_generations: _Optional[int] = ..., waiting_on_environment: _Optional[int] = ..., trainer_backlog_batches: _Optional[int] = ..., trainer_step_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., engine_capacity: _Optional[int] = ..., trainer_backlog_groups: _Optional[int] = ..., trainer_step_in_progress: _Optional[bool] = ..., trainer_remaining_work_device_s: _Optional[float] = ..., trainer_dp_size: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ..., busy_device_s: _Optional[float] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("device_id", "executions", "generating", "context_tokens")

@@ -129,6 +129,8 @@ class RolloutService(Service):
         )
         self.state = common_pb2.SERVICE_STATE_STARTING
         self._engine_seq = 0
+        # Busy seconds last read from each engine this worker ran, lent-away ones included (WorkerLoad).
+        self._busy_s_by_engine: dict[str, float] = {}
         # paced devices (devices.pacing; off: no wait anywhere)
         self.pacer = Pacer(
             common.devices.pacing, busy_log_path=common.run_dir / "pacing" / f"{cfg.worker_id}.jsonl"
@@ -300,12 +302,15 @@ class RolloutService(Service):
     def _load(self) -> scheduler_pb2.WorkerLoad:
         engines = list(self.router.engines.values())
         running = sum(e.num_active for e in engines)
+        for e in engines:  # an engine's busy time stays counted after it is lent away
+            self._busy_s_by_engine[e.engine_id] = e.busy_s
         return scheduler_pb2.WorkerLoad(
             live_executions=len(self.executions.live),
             queued_generations=max(0, self.router.in_flight - running),
             running_generations=running,
             weight_version=min((e.weight_version for e in engines), default=0),
             engine_capacity=self.cfg.engine_max_batch,
+            busy_device_s=sum(self._busy_s_by_engine.values()),
             engines=[
                 scheduler_pb2.EngineLoad(
                     device_id=e.device_id,

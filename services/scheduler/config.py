@@ -23,9 +23,10 @@ class SchedulerConfig(ConfigModel):
         None,
         ge=1,
         description=(
-            "Devices the async policy keeps on rollout (fixed split), and the elastic policy's home split "
-            "(where it returns when no move pays); unset = half the pool. `gyre sim` sweeps it: set it to "
-            "the split the sweep picks for your workload."
+            "Devices the async policy keeps on rollout (fixed split; unset = half the pool; `gyre sim` sweeps "
+            "it). For the elastic policy, a home split fixed by the operator (where it returns when no move "
+            "pays); unset (the default, and what Elastic is measured with) = measured online from each "
+            "role's busy device-seconds per step, half the pool until the first steps are measured."
         ),
     )
     num_logical_devices: int = Field(

@@ -92,6 +92,13 @@ class PoolSnapshot:
     oldest_live_version: int = 0
     # Max allowed (train step - start version) of any trained execution.
     staleness_bound: int = 1
+    # Device-seconds the rollout's engines / the trainer have computed since they started (summed
+    # WorkerLoad.busy_device_s; cumulative): the busy time the report shows next to leased time.
+    rollout_busy_device_s: float = 0.0
+    trainer_busy_device_s: float = 0.0
+    # Rollout devices at Elastic's home split as split_meter.SplitMeter measured it from the step
+    # times under each split it tried; 0 = not measured (half the pool).
+    measured_home_rollout: int = 0
 
     def count(self, role: Role) -> int:
         """Devices serving (or moving to) `role`."""
@@ -218,8 +225,9 @@ class ElasticPolicy(Policy):
       execution (decode is memory-bound: fewer executions per engine decode faster).
     - Trainer busy: rollout keeps what it holds while no later batch waits for the trainer; once one
       does (training is on the critical path, `trainer_backlog >= 2`), borrowed devices go back down
-      to the home split, `home_rollout_devices` (the operator's split; default half the pool, as
-      the live Async default). In the tail (L below what rollout holds) rollout lends every device
+      to the home split (`home_rollout`): searched online from the measured step time under each
+      split tried (split_meter.py; half the pool at first), unless the operator fixes one
+      (`home_rollout_devices`). No input comes from a sweep. In the tail (L below what rollout holds) rollout lends every device
       a live execution does not need, one engine per execution, emptiest engines first (fewest
       resident executions, then fewest context tokens, from the rollout's per-engine load reports;
       ties by device ID, highest first), so an empty engine is lent before one whose executions
@@ -236,8 +244,7 @@ class ElasticPolicy(Policy):
       (pool - `home_rollout_devices`) gets its borrowed devices back (down to what live executions
       need) whatever the cadence, including before the first step, when the cadence is still
       unknown. So Elastic never trains on fewer devices than Async at the same split while rollout
-      has devices to spare, and with the best Async split as its home it starts from the best
-      static plan and moves away from it only where a side has devices it does not use.
+      has devices to spare.
     """
 
     name = "elastic"
@@ -273,7 +280,7 @@ class ElasticPolicy(Policy):
         if not snapshot.trainer_wants_devices and self._moves_pay(snapshot):
             # Spread the rollout over the idle trainer's devices (one engine per live execution at most).
             return min(ceiling, max(must, live if self.spread_idle else must))
-        home = self.home_rollout_devices or max(1, total // 2)
+        home = self.home_rollout(snapshot)
         if snapshot.trainer_backlog < 2:
             # Training is not critical (no later batch waits for it): keep what rollout holds.
             home = max(home, snapshot.count(Role.ROLLOUT))
@@ -284,10 +291,21 @@ class ElasticPolicy(Policy):
         the first step: no optional move)."""
         return snapshot.trainer_step_s > self.min_step_over_switch * self.role_change_s
 
-    def home_train_devices(self, snapshot: PoolSnapshot) -> int:
-        """The trainer's share at the home split: the pool less `home_rollout_devices` (half by default)."""
+    def home_rollout(self, snapshot: PoolSnapshot) -> int:
+        """Rollout devices at the home split: the operator's `home_rollout_devices` when set, else the
+        split the scheduler measured (`measured_home_rollout`: the step times under each split it
+        tried, split_meter.py), else half the pool."""
         total = len(snapshot.devices)
-        return max(self.min_train_devices, total - (self.home_rollout_devices or max(1, total // 2)))
+        if self.home_rollout_devices:
+            return self.home_rollout_devices
+        if snapshot.measured_home_rollout > 0:
+            return max(1, min(total - self.min_train_devices, snapshot.measured_home_rollout))
+        return max(1, total // 2)
+
+    def home_train_devices(self, snapshot: PoolSnapshot) -> int:
+        """The trainer's share at the home split: the pool less `home_rollout`."""
+        total = len(snapshot.devices)
+        return max(self.min_train_devices, total - self.home_rollout(snapshot))
 
     def lendable(self, snapshot: PoolSnapshot, spare: int) -> int:
         """How many of `spare` rollout devices (beyond the target) go to a trainer with work now:

@@ -47,6 +47,7 @@ from services.scheduler.policies import (
     make_policy,
 )
 from services.scheduler.snapshot import pool_snapshot
+from services.scheduler.split_meter import SplitMeter
 from services.scheduler.wire import device_from_pb, device_pb, lease_pb
 
 log = logging.getLogger("gyre.scheduler")
@@ -61,6 +62,7 @@ class SchedulerService(Service):
         self.common = common
         self.cfg = cfg
         self.loads: dict[str, scheduler_pb2.WorkerLoad] = {}
+        self.split_meter = SplitMeter()  # Elastic's measured home split (split_meter.py)
         self._publish_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
         self._reassigned_at: dict[tuple[str, int], float] = {}  # handoff (device, epoch) -> REASSIGN time
@@ -110,7 +112,11 @@ class SchedulerService(Service):
                 pass
 
     def policy(self, num_devices: int) -> Policy:
-        split = self.cfg.async_rollout_devices or max(1, num_devices // 2)
+        # Async needs a split (half the pool unless configured); Elastic measures its home online
+        # (split_meter.py) unless the operator fixes one.
+        split = self.cfg.async_rollout_devices
+        if self.policy_name == "async":
+            split = split or max(1, num_devices // 2)
         return make_policy(
             self.policy_name,
             staleness_bound=self.cfg.staleness_bound,
@@ -134,12 +140,15 @@ class SchedulerService(Service):
         leases = self.book.leases()
         rollout = [self.loads[w.worker_id] for w in workers if w.service == "rollout"]
         trainer = [self.loads[w.worker_id] for w in workers if w.service == "trainer"]
-        return pool_snapshot(
-            [DeviceState(x.device_id, _planned_role(x), x.state != LeaseState.ACTIVE) for x in leases],
-            rollout,
-            trainer,
-            default_engine_capacity=self.cfg.default_engine_capacity,
-            staleness_bound=self.cfg.staleness_bound,
+        return self.split_meter.observe(
+            pool_snapshot(
+                [DeviceState(x.device_id, _planned_role(x), x.state != LeaseState.ACTIVE) for x in leases],
+                rollout,
+                trainer,
+                default_engine_capacity=self.cfg.default_engine_capacity,
+                staleness_bound=self.cfg.staleness_bound,
+            ),
+            time.monotonic(),
         )
 
     def start_move(self, move: Reassignment) -> None:

@@ -46,6 +46,8 @@ def pool_snapshot(
         latest_version=max((x.weight_version for x in trainer), default=0),
         oldest_live_version=min((x.weight_version for x in rollout), default=0),
         staleness_bound=staleness_bound,
+        rollout_busy_device_s=sum(x.busy_device_s for x in rollout),
+        trainer_busy_device_s=sum(x.busy_device_s for x in trainer),
     )
 
 

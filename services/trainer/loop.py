@@ -156,6 +156,7 @@ class Trainer:
         self.micro_left = 0  # micro-batches of the current part (the whole batch unstreamed) not trained yet
         self.step_parts = 0  # parts of the current step begun so far (1 without streaming)
         self.micro_device_s = 0.0  # measured device-seconds of the last micro-batch
+        self.busy_device_s = 0.0  # device-seconds of every micro-batch trained so far (WorkerLoad)
         self.last_metrics: dict[str, float] = {}
         self.last_batch_groups = 0  # scored groups in the last batch pulled
         self.latest_weights = common_pb2.WeightVersion()
@@ -336,6 +337,7 @@ class Trainer:
                     await self.pacer.wait("train", m0, functools.partial(self.pacer.train_s, groups, size))
                     self.pacer.busy("train", "trainer", m0, self.pacer.clock(), devices=size)
                     self.micro_device_s = (time.perf_counter() - t0) * size
+                    self.busy_device_s += self.micro_device_s
                     self.micro_left -= 1
                     num_micro += 1
                     sizes.append(size)

@@ -241,6 +241,7 @@ class TrainerService(Service):
             trainer_step_in_progress=t.step_in_progress,
             trainer_remaining_work_device_s=t.remaining_work_device_s(),
             trainer_dp_size=t.dp.size,
+            busy_device_s=t.busy_device_s,
         )
 
     async def stop(self) -> None:

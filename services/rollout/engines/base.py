@@ -127,6 +127,13 @@ class Engine(abc.ABC):
         return 0
 
     @property
+    def busy_s(self) -> float:
+        """Seconds this engine has held at least one request in its decode batch since it started
+        (monotone; the device's busy time, which the scheduler's Elastic policy and the report
+        read); 0 when the engine cannot tell."""
+        return 0.0
+
+    @property
     def tokens_generated(self) -> int:
         return 0
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +101,8 @@ class TorchEngine(Engine):
         self._pacer = pacer or Pacer()  # off unless devices.pacing is on
         self._stall_until = 0.0  # paced: no admission before this monotonic time (weight sync)
         self._busy_since: float | None = None  # paced: when the engine last began holding sequences
+        self._held_since: float | None = None  # monotonic time the decode batch last became non-empty
+        self._held_s = 0.0  # seconds of finished non-empty-batch intervals
 
     # -- Engine interface --------------------------------------------------------------------
     @property
@@ -123,6 +126,14 @@ class TorchEngine(Engine):
     def context_tokens(self) -> int:
         """Positions the admitted sequences hold in their KV caches (prompt plus tokens so far)."""
         return sum(s.next_position for s in self._running)
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the decode batch has held at least one sequence (prefill and decode time)."""
+        held = self._held_s
+        if self._held_since is not None:
+            held += time.monotonic() - self._held_since
+        return held
 
     @property
     def tokens_generated(self) -> int:
@@ -228,6 +239,8 @@ class TorchEngine(Engine):
                 admitted = self._queue[:room] if now >= self._stall_until else []
                 del self._queue[: len(admitted)]
                 if admitted:
+                    if self._held_since is None:
+                        self._held_since = time.monotonic()
                     await asyncio.to_thread(self._prefill, admitted)
                     self._pace(admitted, now)
                     self._running += admitted
@@ -340,7 +353,10 @@ class TorchEngine(Engine):
             pass
 
     def _note_idle(self) -> None:
-        """The engine holds no sequence any more: log the busy interval that ended (paced runs)."""
+        """The engine holds no sequence any more: close the busy interval (and log it, paced runs)."""
+        if self._held_since is not None and not self._running:
+            self._held_s += time.monotonic() - self._held_since
+            self._held_since = None
         if self._busy_since is not None and not self._running:
             self._pacer.busy("rollout", self.device_id, self._busy_since, self._pacer.clock())
             self._busy_since = None

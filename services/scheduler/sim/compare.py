@@ -4,10 +4,12 @@ Rows (every one runs the same sampled executions of a seed):
 - `colocate`: the whole pool alternates, with the workload's trainer and scoring semantics;
 - `async`: the best fixed split of a sweep over every split (refined grid), with the same streaming
   trainer and partial-progress cut-off as Elastic: the strongest static baseline;
-- `elastic`: ElasticPolicy with the same code and constants on every workload; its home split is the
-  best Async split of the same sweep, as an operator who ran `gyre sim` would configure it
-  (`scheduler.num_rollout_devices`, the live policy's only split input). Elastic starts from the
-  best static plan and moves devices away from it only when a side has devices it does not use;
+- `elastic`: ElasticPolicy with the same code and constants on every workload and no split input:
+  its home split is measured online from each role's busy device-seconds per step
+  (services/scheduler/split_meter.py), exactly as the live scheduler measures it. Nothing of the
+  sweep reaches it (`elastic_policy` takes no split; a test holds that);
+- `async_half`: the fixed split an operator gets without a sweep (half the pool rolling out, same
+  trainer and partial progress as the others), so Elastic can be read against the default too;
 - `paper_colocate`, `paper_async`: the baselines as the QwenGyre paper describes them (Async = half
   the pool rolling out, batch-synchronous trainer, no partial-progress scoring), so Gyre's figures
   can be read against the published 1.85x / 1.78x.
@@ -71,9 +73,15 @@ def simulate(w: Workload, policy: Policy, record_snapshots: bool = False) -> Sim
     return Simulation(policy, w, execs, capacity, record_snapshots=record_snapshots).run()
 
 
-def elastic_policy(w: Workload, home_units: int | None = None) -> ElasticPolicy:
-    """Elastic as it runs live: the staleness bound and the role-change cost of the deployment, and
-    `home_units` rollout units as its home split (the operator's `num_rollout_devices`; None: half)."""
+def elastic_policy(w: Workload) -> ElasticPolicy:
+    """Elastic as it runs live by default: the staleness bound and the role-change cost of the
+    deployment, and no split: its home is measured online (split_meter.py)."""
+    return ElasticPolicy(staleness_bound=w.staleness_bound, role_change_s=w.costs.elastic_role_change_s)
+
+
+def elastic_policy_with_home(w: Workload, home_units: int) -> ElasticPolicy:
+    """Elastic with a home split the operator fixed (`scheduler.async_rollout_devices`), for a
+    prediction of a live run configured that way; never used by `compare`."""
     return ElasticPolicy(
         staleness_bound=w.staleness_bound,
         role_change_s=w.costs.elastic_role_change_s,
@@ -138,6 +146,7 @@ class Comparison:
         return {
             "vs_colocate": self.results["colocate"].time_per_step_s / e,
             "vs_async": self.results["async"].time_per_step_s / e,
+            "vs_async_half": self.results["async_half"].time_per_step_s / e,
             "vs_best_baseline": best / e,
             "vs_paper_colocate": self.results["paper_colocate"].time_per_step_s / e,
             "vs_paper_async": self.results["paper_async"].time_per_step_s / e,
@@ -150,6 +159,7 @@ class Comparison:
         return {
             "vs_colocate": mk["colocate"],
             "vs_async": mk["async"],
+            "vs_async_half": mk["async_half"],
             "vs_best_baseline": min(mk["async"], mk["colocate"]),
             "vs_paper_colocate": mk["paper_colocate"],
             "vs_paper_async": mk["paper_async"],
@@ -164,6 +174,7 @@ class Comparison:
         out["colocate"]["rollout_share"] = round(c.rollout_share, 4)
         out["colocate"]["tail_share"] = round(c.tail_share, 4)
         out.update({f"speedup_{k}": round(v, 3) for k, v in self.ratios().items()})
+        out["async_sweep_runs"] = len(self.async_sweep)
         out["best_async_split"] = {
             "rollout_devices": self.best_async_units * w.devices_per_unit,
             "train_devices": (w.num_units - self.best_async_units) * w.devices_per_unit,
@@ -188,7 +199,8 @@ def compare(w: Workload) -> Comparison:
     results = {
         "colocate": simulate(w, ColocatePolicy()),
         "async": a,
-        "elastic": simulate(w, elastic_policy(w, n)),
+        "async_half": simulate(w, AsyncPolicy(half, staleness_bound=w.staleness_bound)),
+        "elastic": simulate(w, elastic_policy(w)),
         "paper_colocate": simulate(paper, ColocatePolicy()),
         "paper_async": simulate(paper, AsyncPolicy(half, staleness_bound=w.staleness_bound)),
     }
@@ -260,6 +272,8 @@ class SeedComparison:
         out["colocate"]["rollout_share"] = round(float(np.mean([r.rollout_share for r in colocate])), 4)
         out["colocate"]["tail_share"] = round(float(np.mean([r.tail_share for r in colocate])), 4)
         out["best_async_rollout_devices"] = [c.best_async_units * w.devices_per_unit for c in self.per_seed]
+        # Whole simulated runs the baseline's oracle took per seed (Elastic takes one).
+        out["async_sweep_runs"] = [len(c.async_sweep) for c in self.per_seed]
         c0 = self.per_seed[0]
         keys = list(c0.ratios())
         out["speedup"] = {k: interval([c.ratios()[k] for c in self.per_seed]) for k in keys}
@@ -291,8 +305,8 @@ def predict(
     elastic). For `async` the split is `num_rollout_devices` if given (whole units), else the best
     split of a sweep. `measured` (the run's summary) is accepted for callers that pass it; the
     prediction does not use it, so predicted and measured stay independent. For `elastic` the home
-    split is `num_rollout_devices` (the run's split, as the live policy gets it) if given, else the
-    best split of a sweep (as in `compare`)."""
+    split is `num_rollout_devices` when the run fixed one (as the live policy gets it), else measured
+    online as in `compare`."""
     del measured
     if not isinstance(workload, Workload):
         workload, policy = _workload_from_file(Path(workload), policy)
@@ -302,10 +316,10 @@ def predict(
         r = simulate(w, ColocatePolicy())
     elif policy == "elastic":
         if num_rollout_devices is None:
-            home = sweep_async(w)[1]  # the best Async split, as `compare` gives Elastic
+            r = simulate(w, elastic_policy(w))
         else:
             home = max(1, min(w.num_units - 1, num_rollout_devices // w.devices_per_unit))
-        r = simulate(w, elastic_policy(w, home))
+            r = simulate(w, elastic_policy_with_home(w, home))
     elif policy == "async":
         if num_rollout_devices is None:
             r, n, _ = sweep_async(w)

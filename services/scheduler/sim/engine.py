@@ -51,6 +51,7 @@ from services.scheduler.policies import DeviceState, Policy, PoolSnapshot, Role
 from services.scheduler.sim.sample import ExecutionPlan
 from services.scheduler.sim.workload import Workload
 from services.scheduler.snapshot import pool_snapshot
+from services.scheduler.split_meter import SplitMeter
 
 SWITCHING = "switching"
 
@@ -258,6 +259,11 @@ class Simulation:
         # accounting
         self.busy_devices = 0
         self.util_events: list[tuple[float, int]] = []
+        # Cumulative busy device-seconds per role, as the workers report them (WorkerLoad.busy_device_s).
+        self.busy_by_role = {Role.ROLLOUT: 0.0, Role.TRAIN: 0.0}
+        self.busy_now = {Role.ROLLOUT: 0, Role.TRAIN: 0}
+        self.busy_mark = 0.0
+        self.split_meter = SplitMeter()
         self.role_since = [0.0] * len(self.units)
         self.timeline: list[tuple[int, float, float, str]] = []
         self.first_start: dict[int, float] = {}
@@ -285,9 +291,17 @@ class Simulation:
     def _push(self, t: float, event: Event) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), event))
 
-    def _busy(self, delta_devices: int) -> None:
+    def _busy(self, delta_devices: int, role: Role) -> None:
+        self._settle_busy()
+        self.busy_now[role] += delta_devices
         self.busy_devices += delta_devices
         self.util_events.append((self.now, self.busy_devices))
+
+    def _settle_busy(self) -> None:
+        """Bring the per-role busy device-seconds up to now."""
+        for role, n in self.busy_now.items():
+            self.busy_by_role[role] += n * (self.now - self.busy_mark)
+        self.busy_mark = self.now
 
     def _set_role(self, u: _Unit, role: Role) -> None:
         prev = SWITCHING if u.moving else str(u.role)
@@ -460,7 +474,7 @@ class Simulation:
         u.decoding_ctx += e.ctx
         u.num_generating += 1
         if u.num_generating == 1:
-            self._busy(self.w.devices_per_unit)
+            self._busy(self.w.devices_per_unit, Role.ROLLOUT)
         e.token += 1
         self._push(start + tokens * step_s, GenDone(e.eid, e.token))
 
@@ -469,7 +483,7 @@ class Simulation:
         u.decoding_ctx -= e.ctx
         u.num_generating -= 1
         if u.num_generating == 0:
-            self._busy(-self.w.devices_per_unit)
+            self._busy(-self.w.devices_per_unit, Role.ROLLOUT)
         e.ctx += done_tokens
         e.generated += done_tokens
 
@@ -697,7 +711,9 @@ class Simulation:
             (self.batch_version[k] for k, n in enumerate(self.live_per_batch) if n > 0), self.version
         )
         kv_per_token = self.cost.model.kv_bytes_per_token
+        self._settle_busy()
         rollout = scheduler_pb2.WorkerLoad(
+            busy_device_s=self.busy_by_role[Role.ROLLOUT],
             live_executions=self.live,
             queued_generations=len(self.queue),
             running_generations=sum(u.num_generating for u in self.units),
@@ -716,6 +732,7 @@ class Simulation:
             ],
         )
         trainer = scheduler_pb2.WorkerLoad(
+            busy_device_s=self.busy_by_role[Role.TRAIN],
             trainer_backlog_batches=self._trainer_backlog(),
             trainer_step_s=self.last_step_s,
             weight_version=self.version,
@@ -734,8 +751,11 @@ class Simulation:
     def _snapshot(self) -> PoolSnapshot:
         rollout, trainer = self.loads()
         devices = self.devices()
-        snap = pool_snapshot(
-            devices, [rollout], [trainer], default_engine_capacity=self.slots, staleness_bound=self.bound
+        snap = self.split_meter.observe(
+            pool_snapshot(
+                devices, [rollout], [trainer], default_engine_capacity=self.slots, staleness_bound=self.bound
+            ),
+            self.now,
         )
         if self.record:
             self.snapshots.append((snap, (devices, rollout, trainer)))
@@ -804,13 +824,13 @@ class Simulation:
         self.round_work = work
         self.trained_flops += work
         self.round_token += 1
-        self._busy(len(units) * self.w.devices_per_unit)
+        self._busy(len(units) * self.w.devices_per_unit, Role.TRAIN)
         self._push(self.now + work / rate, RoundDone(self.round_token))
 
     def _on_round_done(self, token: int) -> None:
         if token != self.round_token:
             return
-        self._busy(-len(self.round_units) * self.w.devices_per_unit)
+        self._busy(-len(self.round_units) * self.w.devices_per_unit, Role.TRAIN)
         self.round_units = set()
         k = len(self.step_done)
         if self.groups_left[k] == 0 and self.trained_flops >= self.scored_flops[k] * (1 - 1e-12):
