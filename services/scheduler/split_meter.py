@@ -15,7 +15,13 @@ thing that matters, the wall time of each trainer step under a home split, and s
 - a step counts for a split only if the whole step ran under it (the step after a change is not
   counted), and the first steps of a run (`warmup_steps`: the pipeline filling) count for none;
 - measurements older than `memory_steps` steps are forgotten, so a split that was best early is
-  probed again when the workload drifts.
+  probed again when the workload drifts;
+- the trainer's share follows its busy time: over the remembered steps the trainer computed
+  `busy` device-seconds a second (`PoolSnapshot.trainer_busy_device_s`, the workers' reports), and
+  the home leaves it at most max(`min_train_devices`, ceil(`busy_headroom` x busy)) devices. A
+  trainer busy a third of the time on one device does not hold two, whatever the step times say
+  (they are noisy where the trainer is not on the critical path, which is exactly then); a
+  saturated trainer (busy = its devices) is never capped.
 
 The meter is the policy's only state and lives beside it: the policy stays pure and reads the
 result from the snapshot (`PoolSnapshot.measured_home_rollout`). The live plan loop (service.py,
@@ -27,6 +33,7 @@ starts the search again from the current split.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 
 from services.scheduler.policies import PoolSnapshot
@@ -35,12 +42,27 @@ from services.scheduler.policies import PoolSnapshot
 class SplitMeter:
     """Step times per home split and the home they point to (see the module docstring)."""
 
-    def __init__(self, probe_steps: int = 2, warmup_steps: int = 1, memory_steps: int = 16) -> None:
+    def __init__(
+        self,
+        probe_steps: int = 2,
+        warmup_steps: int = 1,
+        memory_steps: int = 16,
+        busy_headroom: float = 3.0,
+        min_train_devices: int = 1,
+        min_gain: float = 0.02,
+    ) -> None:
         if probe_steps < 1 or warmup_steps < 0 or memory_steps < probe_steps:
             raise ValueError("need probe_steps >= 1, warmup_steps >= 0 and memory_steps >= probe_steps")
+        if busy_headroom < 1 or min_train_devices < 1:
+            raise ValueError("need busy_headroom >= 1 and min_train_devices >= 1")
         self.probe_steps = probe_steps
         self.warmup_steps = warmup_steps
         self.memory_steps = memory_steps
+        self.busy_headroom = busy_headroom
+        self.min_gain = min_gain
+        self.min_train_devices = min_train_devices
+        # (version, seconds, trainer busy device-seconds) at each step boundary since warmup
+        self._busy_marks: list[tuple[int, float, float]] = []
         self.home = 0  # rollout devices at home; 0 = not chosen yet (half the pool)
         self.direction = 0  # where the last probe went (+1: more rollout devices); 0 = none yet
         self.stride = 0  # devices between probed splits; 0 = not chosen yet (an eighth of the pool)
@@ -64,20 +86,43 @@ class SplitMeter:
         v = snapshot.latest_version
         if v < self._version:
             self._steps.clear()
+            self._busy_marks.clear()
             self._version, self._version_t, self._home_since_version = v, now_s, v
         elif v > self._version:
             if self._version >= 0 and v == self._version + 1 and self._counts(self._version):
                 self._steps.setdefault(self.home, []).append((v, now_s - self._version_t))
             self._version, self._version_t = v, now_s
+            if v >= self.warmup_steps:
+                self._busy_marks.append((v, now_s, snapshot.trainer_busy_device_s))
             self._forget(v)
-            self._decide(total)
+            floor = self.busy_floor(total)
+            if self.home < floor:
+                self._move(floor)  # the trainer holds more than its busy time needs
+            else:
+                self._decide(total, floor)
         return dataclasses.replace(snapshot, measured_home_rollout=self.home)
 
     def _counts(self, started_at: int) -> bool:
         """Whether the step that started at version `started_at` ran wholly under the current home."""
         return started_at >= max(self.warmup_steps, self._home_since_version + 1)
 
+    def trainer_busy_devices(self) -> float | None:
+        """Device-seconds the trainer computed per second over the remembered steps (None: < 2 marks)."""
+        if len(self._busy_marks) < 2:
+            return None
+        (_, t0, b0), (_, t1, b1) = self._busy_marks[0], self._busy_marks[-1]
+        return max(0.0, b1 - b0) / (t1 - t0) if t1 > t0 else None
+
+    def busy_floor(self, total: int) -> int:
+        """The fewest rollout devices at home: the pool less what the trainer's busy time needs."""
+        busy = self.trainer_busy_devices()
+        if busy is None:
+            return 1
+        need = max(self.min_train_devices, math.ceil(self.busy_headroom * busy - 1e-9))
+        return max(1, min(total - 1, total - need))
+
     def _forget(self, version: int) -> None:
+        self._busy_marks = [m for m in self._busy_marks if m[0] > version - self.memory_steps]
         for home in list(self._steps):
             kept = [(v, s) for v, s in self._steps[home] if v > version - self.memory_steps]
             if kept:
@@ -91,7 +136,7 @@ class SplitMeter:
             return None
         return statistics.fmean(s for _, s in steps[-self.probe_steps :])
 
-    def _decide(self, total: int) -> None:
+    def _decide(self, total: int, floor: int) -> None:
         here = self._mean(self.home)
         if here is None:
             return  # still measuring the current split
@@ -100,19 +145,21 @@ class SplitMeter:
         self._queued_seen = False
         while True:
             ahead = [self.home + d * self.stride for d in (self.direction, -self.direction)]
-            neighbours = [h for h in ahead if 1 <= h < total]
-            for h in neighbours:
-                if self._mean(h) is None:
-                    self._move(h)
-                    return
-            best = min(
-                [self.home, *neighbours], key=lambda h: (self._mean(h) or float("inf"), h != self.home)
-            )
-            if best != self.home:
-                self._move(best)
+            neighbours = [h for h in ahead if max(1, floor) <= h < total]
+            known = {h: m for h in neighbours if (m := self._mean(h)) is not None}
+            faster = [h for h, m in known.items() if m < here * (1 - self.min_gain)]
+            if faster:  # a measured neighbour is clearly faster: go there
+                self._move(min(faster, key=lambda h: known[h]))
                 return
+            if not any(m * (1 - self.min_gain) <= here for m in known.values()):
+                # This split clearly beats every measured neighbour: probe the others, the last
+                # direction that paid first. (Never probe on from a split no better than its neighbour.)
+                for h in neighbours:
+                    if h not in known:
+                        self._move(h)
+                        return
             if self.stride == 1:
-                return  # both neighbours one device away are slower: stay
+                return  # no neighbour one device away is clearly faster: stay
             self.stride = max(1, self.stride // 2)
 
     def _move(self, home: int) -> None:

@@ -259,9 +259,10 @@ class Simulation:
         # accounting
         self.busy_devices = 0
         self.util_events: list[tuple[float, int]] = []
-        # Cumulative busy device-seconds per role, as the workers report them (WorkerLoad.busy_device_s).
+        # Cumulative busy unit-seconds per role, as the workers report them (WorkerLoad.busy_device_s; a
+        # policy device is one unit here, as in the snapshot).
         self.busy_by_role = {Role.ROLLOUT: 0.0, Role.TRAIN: 0.0}
-        self.busy_now = {Role.ROLLOUT: 0, Role.TRAIN: 0}
+        self.busy_now = {Role.ROLLOUT: 0.0, Role.TRAIN: 0.0}
         self.busy_mark = 0.0
         self.split_meter = SplitMeter()
         self.role_since = [0.0] * len(self.units)
@@ -293,7 +294,8 @@ class Simulation:
 
     def _busy(self, delta_devices: int, role: Role) -> None:
         self._settle_busy()
-        self.busy_now[role] += delta_devices
+        # Busy is reported per policy device, which the simulator's snapshot makes one unit.
+        self.busy_now[role] += delta_devices / self.w.devices_per_unit
         self.busy_devices += delta_devices
         self.util_events.append((self.now, self.busy_devices))
 
