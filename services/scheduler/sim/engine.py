@@ -39,162 +39,34 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from gyre.costmodel import CostModel
 from gyre.pipeline_rules import cutoff_due_s, group_ready, may_start_batch
-from gyre.v1 import scheduler_pb2
-from services.scheduler.policies import DeviceState, Policy, PoolSnapshot, Role
+from services.scheduler.policies import Policy, PoolSnapshot, Role
 from services.scheduler.sim.sample import ExecutionPlan
+from services.scheduler.sim.state import (
+    SWITCHING,
+    CopyDone,
+    EnvDone,
+    Event,
+    Execution,
+    GenDone,
+    GroupCutoff,
+    Phase,
+    Place,
+    PlanTick,
+    RoundDone,
+    SimResult,
+    Switched,
+    Unit,
+)
+from services.scheduler.sim.trainer_side import TrainerSide
 from services.scheduler.sim.workload import Workload
-from services.scheduler.snapshot import pool_snapshot
 from services.scheduler.split_meter import SplitMeter
 
-SWITCHING = "switching"
 
-
-# --- events (typed; the loop dispatches on the class) --------------------------------------------------
-@dataclass(frozen=True)
-class GenDone:
-    """Execution `eid` finished decoding its turn (stale when `token` no longer matches)."""
-
-    eid: int
-    token: int
-
-
-@dataclass(frozen=True)
-class EnvDone:
-    """The environment answered execution `eid` (stale when `token` no longer matches)."""
-
-    eid: int
-    token: int
-
-
-@dataclass(frozen=True)
-class CopyDone:
-    """One KV copy out of draining unit `uid` finished."""
-
-    uid: int
-
-
-@dataclass(frozen=True)
-class Switched:
-    """Unit `uid` finished its role change (stale when `token` no longer matches)."""
-
-    uid: int
-    token: int
-
-
-@dataclass(frozen=True)
-class RoundDone:
-    """The trainer finished one micro-batch round (stale when `token` no longer matches)."""
-
-    token: int
-
-
-@dataclass(frozen=True)
-class GroupCutoff:
-    """`train_unfinished_after_s` passed since the first execution of group (step, task) ended."""
-
-    step: int
-    task: int
-
-
-@dataclass(frozen=True)
-class Place:
-    """The router places queued executions, after every event of the same instant (so units that
-    finish a role change together are all seen, not the first one alone)."""
-
-
-@dataclass(frozen=True)
-class PlanTick:
-    """The plan loop runs: the policy is asked once for every change since the last run."""
-
-
-Event = GenDone | EnvDone | CopyDone | Switched | RoundDone | GroupCutoff | Place | PlanTick
-
-
-class Phase(StrEnum):
-    """Where an execution is."""
-
-    PENDING = "pending"  # admitted, never placed
-    GEN = "gen"  # prefilling / decoding a turn on its unit
-    ENV = "env"  # waiting on the environment, KV resident on its unit
-    WAITING = "waiting"  # queued for a unit (preempted or parked), `resume_tokens` left of its turn
-    DONE = "done"
-
-
-@dataclass
-class _Unit:
-    uid: int
-    role: Role
-    moving: bool = False
-    target: Role | None = None
-    residents: set[int] = field(default_factory=set)
-    kv_reserved: float = 0.0
-    decoding_ctx: float = 0.0
-    num_generating: int = 0
-    stall_until: float = 0.0
-    token: int = 0
-    pending_copies: int = 0
-    leaving_trainer: bool = False  # asked to leave; goes at the trainer's next resize point
-    device_id: str = ""
-
-    def __post_init__(self) -> None:
-        self.device_id = f"u{self.uid:03d}"
-
-
-@dataclass
-class _Exec:
-    eid: int
-    step: int
-    plan: ExecutionPlan
-    turn: int = 0
-    ctx: float = 0.0  # tokens in its KV (prompt + observations + generated so far)
-    generated: float = 0.0  # generated tokens so far
-    unit: int | None = None
-    phase: Phase = Phase.PENDING
-    token: int = 0
-    start_version: int = -1
-    reserved: float = 0.0  # KV bytes reserved on its unit
-    gen_start: float = 0.0
-    gen_rate_s: float = 0.0
-    gen_tokens: float = 0.0
-    resume_tokens: float = 0.0  # tokens of the current turn still to generate (WAITING in a turn)
-    in_turn: bool = False  # WAITING with its current turn's prompt already prefilled
-    ready_at: float = 0.0  # KV copy to its current unit done at this time
-    cut: bool = False  # scored partially; what it generates from now on is not trained
-    ended_at: float | None = None  # when its last turn ended
-
-
-@dataclass
-class SimResult:
-    """Outcome of one simulated run. Times in virtual seconds; measured after the warm-up steps."""
-
-    policy: str
-    step_done_s: list[float]
-    time_per_step_s: float
-    device_utilization: float
-    max_staleness: int
-    rollout_share: float  # rollout span / (rollout span + training span) per batch, mean
-    tail_share: float  # share of rollout time taken by the last 10% of executions (per step, mean)
-    tokens_trained_per_step: float  # context tokens trained per step (equal work check)
-    generated_trained_share: float  # share of generated tokens that got trained
-    kv_peak_share: float  # highest reserved KV of any unit over its budget (never above 1)
-    num_migrations: int
-    num_role_changes: int
-    num_parked: int  # executions offloaded to host (no unit had room)
-    num_preemptions: int  # turns that did not fit their unit's KV budget
-    timeline: list[tuple[int, float, float, str]]  # (unit, t0, t1, role label)
-    utilization_series: list[tuple[float, float]]  # (t, busy share of devices)
-    snapshots: list[tuple[PoolSnapshot, tuple[Any, ...]]] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class Simulation:
+class Simulation(TrainerSide):
     """One policy against one sampled workload. `run()` returns a SimResult."""
 
     def __init__(
@@ -215,14 +87,14 @@ class Simulation:
         self.slots = engine_capacity
         self.kv_budget = self.cost.kv_budget_bytes()
         self.record = record_snapshots
-        self.units = [_Unit(i, Role.IDLE) for i in range(workload.num_units)]
-        self.execs: list[_Exec] = []
+        self.units = [Unit(i, Role.IDLE) for i in range(workload.num_units)]
+        self.execs: list[Execution] = []
         self.batches: list[list[int]] = []
         self.groups: dict[tuple[int, int], list[int]] = {}
         for k, plans in enumerate(executions):
             ids = []
             for p in plans:
-                e = _Exec(len(self.execs), k, p)
+                e = Execution(len(self.execs), k, p)
                 self.execs.append(e)
                 ids.append(e.eid)
                 self.groups.setdefault((k, p.task), []).append(e.eid)
@@ -305,7 +177,7 @@ class Simulation:
             self.busy_by_role[role] += n * (self.now - self.busy_mark)
         self.busy_mark = self.now
 
-    def _set_role(self, u: _Unit, role: Role) -> None:
+    def _set_role(self, u: Unit, role: Role) -> None:
         prev = SWITCHING if u.moving else str(u.role)
         if self.now > self.role_since[u.uid]:
             self.timeline.append((u.uid, self.role_since[u.uid], self.now, prev))
@@ -368,7 +240,7 @@ class Simulation:
             self.first_start.setdefault(self.next_batch, self.now)
             self.next_batch += 1
 
-    def _need(self, e: _Exec) -> float:
+    def _need(self, e: Execution) -> float:
         """KV bytes `e` must hold on a unit to go on: to the end of its current or next turn."""
         if e.phase == Phase.ENV:
             return self.cost.kv_bytes(e.ctx)
@@ -376,28 +248,28 @@ class Simulation:
             return self.cost.kv_bytes(e.ctx + e.resume_tokens)
         return self.cost.kv_bytes(e.ctx + e.plan.obs[e.turn] + e.plan.gen[e.turn])
 
-    def _rollout_units(self) -> list[_Unit]:
+    def _rollout_units(self) -> list[Unit]:
         return [u for u in self.units if u.role == Role.ROLLOUT and not u.moving]
 
-    def _room(self, u: _Unit, need: float) -> bool:
+    def _room(self, u: Unit, need: float) -> bool:
         return len(u.residents) < self.slots and u.kv_reserved + need <= self.kv_budget
 
-    def _pick(self, need: float, exclude: int | None = None) -> _Unit | None:
+    def _pick(self, need: float, exclude: int | None = None) -> Unit | None:
         """The router's choice: the unit with room and the least KV, lowest ID on ties."""
         fits = [u for u in self._rollout_units() if u.uid != exclude and self._room(u, need)]
         return min(fits, key=lambda x: (x.kv_reserved, x.uid)) if fits else None
 
-    def _reserve(self, e: _Exec, u: _Unit, need: float) -> None:
+    def _reserve(self, e: Execution, u: Unit, need: float) -> None:
         u.kv_reserved += need - e.reserved
         e.reserved = need
         self.kv_peak = max(self.kv_peak, u.kv_reserved / self.kv_budget)
 
-    def _attach(self, e: _Exec, u: _Unit, need: float) -> None:
+    def _attach(self, e: Execution, u: Unit, need: float) -> None:
         u.residents.add(e.eid)
         e.unit = u.uid
         self._reserve(e, u, need)
 
-    def _detach(self, e: _Exec) -> _Unit:
+    def _detach(self, e: Execution) -> Unit:
         u = self.units[e.unit]  # type: ignore[index]
         u.residents.discard(e.eid)
         u.kv_reserved -= e.reserved
@@ -421,7 +293,7 @@ class Simulation:
                 e.ready_at = self.now + 2 * self.cost.offload_s(e.ctx)  # copied out, then back
                 self._resume(e)
 
-    def _resume(self, e: _Exec) -> None:
+    def _resume(self, e: Execution) -> None:
         u = self.units[e.unit]  # type: ignore[index]
         if e.in_turn:
             e.in_turn = False
@@ -432,7 +304,7 @@ class Simulation:
             self._start_turn(e)
 
     # --- execution life -----------------------------------------------------------------------------
-    def _start_turn(self, e: _Exec) -> None:
+    def _start_turn(self, e: Execution) -> None:
         u = self.units[e.unit]  # type: ignore[index]
         need = self.cost.kv_bytes(e.ctx + e.plan.obs[e.turn] + e.plan.gen[e.turn])
         if u.kv_reserved - e.reserved + need > self.kv_budget:
@@ -444,7 +316,7 @@ class Simulation:
         e.ctx += o
         self._begin_gen(e, u, max(self.now, u.stall_until, e.ready_at) + prefill, e.plan.gen[e.turn])
 
-    def _preempt(self, e: _Exec, u: _Unit, need: float) -> None:
+    def _preempt(self, e: Execution, u: Unit, need: float) -> None:
         """The next turn of `e` does not fit on `u`: move it to a unit with room, else park it."""
         self.num_preemptions += 1
         self._detach(e)
@@ -467,7 +339,7 @@ class Simulation:
             n += 1
         return n
 
-    def _begin_gen(self, e: _Exec, u: _Unit, start: float, tokens: float) -> None:
+    def _begin_gen(self, e: Execution, u: Unit, start: float, tokens: float) -> None:
         step_s = self.cost.decode_step_s(u.decoding_ctx + e.ctx)
         e.phase = Phase.GEN
         e.gen_start = start
@@ -480,7 +352,7 @@ class Simulation:
         e.token += 1
         self._push(start + tokens * step_s, GenDone(e.eid, e.token))
 
-    def _end_gen(self, e: _Exec, done_tokens: float) -> None:
+    def _end_gen(self, e: Execution, done_tokens: float) -> None:
         u = self.units[e.unit]  # type: ignore[index]
         u.decoding_ctx -= e.ctx
         u.num_generating -= 1
@@ -514,7 +386,7 @@ class Simulation:
         self._rebalance(e)
         self._start_turn(e)
 
-    def _rebalance(self, e: _Exec) -> None:
+    def _rebalance(self, e: Execution) -> None:
         """The router's turn-start choice (the live router sends each generation request to the
         engine decoding the least context): move `e` to the rollout unit where its next turn decodes fastest when
         the decode time saved, at the units' loads now, exceeds the KV copy it waits for. So an
@@ -541,7 +413,7 @@ class Simulation:
         self.num_rebalanced += 1
         e.ready_at = self.now + copy
 
-    def _finish(self, e: _Exec) -> None:
+    def _finish(self, e: Execution) -> None:
         self._detach(e)
         e.phase = Phase.DONE
         e.ended_at = self.now
@@ -568,7 +440,7 @@ class Simulation:
         all_ended = all(self.execs[i].phase == Phase.DONE for i in self.groups[key])
         return group_ready(all_ended, self.first_end.get(key), self.now, self.sem.train_unfinished_after_s)
 
-    def _tokens_so_far(self, e: _Exec) -> tuple[float, float]:
+    def _tokens_so_far(self, e: Execution) -> tuple[float, float]:
         """(context tokens, generated tokens) of `e` now, counting the current turn's decoded part."""
         if e.phase != Phase.GEN:
             return e.ctx, e.generated
@@ -600,7 +472,7 @@ class Simulation:
         self._plan()
 
     # --- live migration -------------------------------------------------------------------------------
-    def _migrate_out(self, u: _Unit) -> None:
+    def _migrate_out(self, u: Unit) -> None:
         """Move every execution resident on `u` elsewhere; nothing is aborted, tokens so far are kept."""
         for eid in sorted(u.residents):
             e = self.execs[eid]
@@ -664,7 +536,7 @@ class Simulation:
             return uid in self.step_units
         return uid in self.round_units
 
-    def _drained(self, u: _Unit) -> None:
+    def _drained(self, u: Unit) -> None:
         c = self.w.costs
         if self.colocate:
             cost = c.switch_rollout_to_train_s if u.target == Role.TRAIN else c.switch_train_to_rollout_s
@@ -702,227 +574,6 @@ class Simulation:
         self.last_plan = self.now
         for m in self.policy.plan(self._snapshot()):
             self._apply(int(m.device_id[1:]), m.to_role)
-
-    # --- the policy's inputs: the live fields, through the live function -------------------------------------
-    def loads(self) -> tuple[scheduler_pb2.WorkerLoad, scheduler_pb2.WorkerLoad]:
-        """What the rollout and the trainer would report to the scheduler now (proto WorkerLoad): the
-        rollout reports one EngineLoad per settled rollout unit (a moving one has no serving engine,
-        as a live engine being drained or started is not in the router), its context in tokens being
-        the KV the unit reserves over the KV bytes of one token."""
-        oldest = next(
-            (self.batch_version[k] for k, n in enumerate(self.live_per_batch) if n > 0), self.version
-        )
-        kv_per_token = self.cost.model.kv_bytes_per_token
-        self._settle_busy()
-        rollout = scheduler_pb2.WorkerLoad(
-            busy_device_s=self.busy_by_role[Role.ROLLOUT],
-            live_executions=self.live,
-            queued_generations=len(self.queue),
-            running_generations=sum(u.num_generating for u in self.units),
-            waiting_on_environment=self.num_env,
-            weight_version=oldest,
-            engine_capacity=self.slots,
-            engines=[
-                scheduler_pb2.EngineLoad(
-                    device_id=u.device_id,
-                    executions=len(u.residents),
-                    generating=u.num_generating,
-                    context_tokens=round(u.kv_reserved / kv_per_token),
-                )
-                for u in self.units
-                if u.role == Role.ROLLOUT and not u.moving
-            ],
-        )
-        trainer = scheduler_pb2.WorkerLoad(
-            busy_device_s=self.busy_by_role[Role.TRAIN],
-            trainer_backlog_batches=self._trainer_backlog(),
-            trainer_step_s=self.last_step_s,
-            weight_version=self.version,
-            trainer_step_in_progress=self.step_started is not None,
-            trainer_remaining_work_device_s=self._trainable_device_s(),
-            trainer_dp_size=len(self._train_units()) * self.w.devices_per_unit,
-        )
-        return rollout, trainer
-
-    def devices(self) -> list[DeviceState]:
-        return [
-            DeviceState(u.device_id, (u.target or u.role) if u.moving else u.role, u.moving)
-            for u in self.units
-        ]
-
-    def _snapshot(self) -> PoolSnapshot:
-        rollout, trainer = self.loads()
-        devices = self.devices()
-        snap = self.split_meter.observe(
-            pool_snapshot(
-                devices, [rollout], [trainer], default_engine_capacity=self.slots, staleness_bound=self.bound
-            ),
-            self.now,
-        )
-        if self.record:
-            self.snapshots.append((snap, (devices, rollout, trainer)))
-        return snap
-
-    def _trainer_backlog(self) -> int:
-        """What the live trainer reports as `trainer_backlog_batches` (services/trainer/service.py):
-        scored groups not trained yet, in batches (rounded up), plus one while a step is in progress."""
-        k = len(self.step_done)
-        waiting = 0.0
-        for j in range(k, len(self.batches)):
-            avail = self._available(j)
-            if avail > 0:  # scored groups the trainer has; the current step's partly trained
-                waiting += (self.groups_total[j] - self.groups_left[j]) * avail / self.scored_flops[j]
-        per_batch = max(1, self.groups_total[k] if k < len(self.batches) else 1)
-        return math.ceil(waiting / per_batch - 1e-9) + int(self.step_started is not None)
-
-    def _trainable_device_s(self) -> float:
-        """What the live trainer reports as `trainer_remaining_work_device_s`: device-seconds of the
-        current step's work it can train now (the running round and the scored groups not yet in
-        one); 0 when it has trained all it has and waits for scored groups."""
-        k = len(self.step_done)
-        if k >= len(self.batches):
-            return 0.0
-        flops = max(0.0, self._available(k)) + (self.round_work if self.round_units else 0.0)
-        return flops / self.cost.train_flops_per_s(1)
-
-    # --- training -------------------------------------------------------------------------------------------
-    def _available(self, k: int) -> float:
-        """FLOPs of batch k the trainer may train now (streaming: scored groups; else whole batch)."""
-        if not self.sem.trainer_streaming and self.groups_left[k] > 0:
-            return 0.0
-        trained = self.trained_flops if k == len(self.step_done) else 0.0
-        return self.scored_flops[k] - trained
-
-    def _train_units(self) -> set[int]:
-        return {u.uid for u in self.units if u.role == Role.TRAIN and not u.moving}
-
-    def _train(self) -> None:
-        """Start a micro-batch round if the trainer is free, has replicas and has work."""
-        if self.round_units or len(self.step_done) >= len(self.batches):
-            return
-        k = len(self.step_done)
-        avail = self._available(k)
-        if avail <= 0:
-            return
-        if self.sem.trainer_resize == "step":
-            if self.step_units is None and any(u.moving and u.target == Role.TRAIN for u in self.units):
-                return  # a step starts with the whole group it is being given, not with the first arrival
-            if self.step_units is None:
-                self.step_units = self._train_units()
-            units = set(self.step_units)
-        else:
-            units = self._train_units()
-        if not units:
-            if self.step_units is not None and not self.step_units:
-                self.step_units = None  # a step cannot start without replicas: decide again later
-            return
-        if self.step_started is None:
-            self.step_started = self.now
-        per_token = self.batch_flops[k] / self.batch_tokens[k]
-        quantum = per_token * self.w.costs.train_microbatch_tokens
-        work = min(avail, len(units) * quantum)
-        rate = self.cost.train_flops_per_s(len(units) * self.w.devices_per_unit)
-        self.round_units = units
-        self.round_work = work
-        self.trained_flops += work
-        self.round_token += 1
-        self._busy(len(units) * self.w.devices_per_unit, Role.TRAIN)
-        self._push(self.now + work / rate, RoundDone(self.round_token))
-
-    def _on_round_done(self, token: int) -> None:
-        if token != self.round_token:
-            return
-        self._busy(-len(self.round_units) * self.w.devices_per_unit, Role.TRAIN)
-        self.round_units = set()
-        k = len(self.step_done)
-        if self.groups_left[k] == 0 and self.trained_flops >= self.scored_flops[k] * (1 - 1e-12):
-            self._end_step(k)
-        if self.sem.trainer_resize == "microbatch" or self.step_units is None:
-            self._leave_trainer()
-        self._train()
-        self._plan()
-
-    def _leave_trainer(self) -> None:
-        for u in self.units:
-            if u.leaving_trainer and not self._in_use_by_trainer(u.uid):
-                u.leaving_trainer = False
-                self._drained(u)
-
-    def _end_step(self, k: int) -> None:
-        self.train_spans.append(self.now - (self.step_started or self.now))
-        # What the trainer reports as trainer_step_s: seconds between its last two optimizer steps.
-        self.last_step_s = self.now - (self.step_done[-1] if self.step_done else 0.0)
-        self.step_done.append(self.now)
-        self.step_started = None
-        self.step_units = None
-        self.trained_flops = 0.0
-        self.version += 1
-        if not self.colocate:
-            for u in self._rollout_units():
-                u.stall_until = self.now + self.w.costs.weight_sync_s
-        self._admit()
-        self._fill_slots()
-
-    # --- results ---------------------------------------------------------------------------------------------
-    def _result(self) -> SimResult:
-        w = self.w
-        for u in self.units:
-            self._set_role(u, u.role)
-        t0 = self.step_done[w.warmup_steps - 1] if w.warmup_steps > 0 else 0.0
-        t1 = self.step_done[-1]
-        n = w.num_steps - w.warmup_steps
-        busy = _integrate(self.util_events, t0, t1)
-        util = busy / (w.num_devices * (t1 - t0)) if t1 > t0 else 0.0
-        tails = []
-        for k, times in enumerate(self.finish_times):
-            if len(times) < 10 or k not in self.first_start:
-                continue
-            ts = sorted(times)
-            start, end = self.first_start[k], ts[-1]
-            p90 = ts[int(0.9 * len(ts)) - 1]
-            if end > start:
-                tails.append((end - p90) / (end - start))
-        spans = [r / (r + t) for r, t in zip(self.rollout_spans, self.train_spans, strict=False) if r + t > 0]
-        measured = range(w.warmup_steps, w.num_steps)
-        planned_gen = sum(sum(self.execs[i].plan.gen) for k in measured for i in self.batches[k])
-        return SimResult(
-            policy=self.policy.describe(),
-            step_done_s=self.step_done,
-            time_per_step_s=(t1 - t0) / n,
-            device_utilization=util,
-            max_staleness=max(self.staleness) if self.staleness else 0,
-            rollout_share=sum(spans) / len(spans) if spans else 0.0,
-            tail_share=sum(tails) / len(tails) if tails else 0.0,
-            tokens_trained_per_step=sum(self.tokens_trained[k] for k in measured) / n,
-            generated_trained_share=sum(self.gen_trained[k] for k in measured) / planned_gen
-            if planned_gen
-            else 1.0,
-            kv_peak_share=self.kv_peak,
-            num_migrations=self.num_migrations,
-            num_role_changes=self.num_role_changes,
-            num_parked=self.num_parked,
-            num_preemptions=self.num_preemptions,
-            timeline=self.timeline,
-            utilization_series=[(t, b / w.num_devices) for t, b in self.util_events],
-            snapshots=self.snapshots,
-            extra={"engine_slots": self.slots, "num_rebalanced": self.num_rebalanced},
-        )
-
-
-def _integrate(events: list[tuple[float, int]], t0: float, t1: float) -> float:
-    """Integral over [t0, t1] of the step function given by (time, value-from-then-on) events."""
-    total = 0.0
-    value = 0
-    last = t0
-    for t, v in events:
-        if t > t1:
-            break
-        if t > t0:
-            total += value * (t - last)
-            last = t
-        value = v
-    total += value * (t1 - last)
-    return total
 
 
 __all__ = [
