@@ -82,9 +82,9 @@ class PacingConfig(_Config):
     busy_log: bool = Field(
         True,
         description=(
-            "Append each device's busy intervals (generating or training; wall clock) to "
+            "Append each device's busy intervals (generating or training; wall clock; paced or not) to "
             "<run_dir>/pacing/<worker>.jsonl, so a run's idle fraction can be measured as the simulator "
-            "defines it (busy-based)."
+            "defines it (busy-based) and the report shows busy time next to leased time."
         ),
     )
 
@@ -243,8 +243,9 @@ class Pacer:
     # -- busy time (the simulator's utilization) -------------------------------------------------------
     def busy(self, role: str, device: str, start: float, end: float, devices: int = 1) -> None:
         """Log that `devices` devices (of `device`) were busy in `role` from `start` to `end` (monotonic;
-        written as unix time). No-op when pacing is off or no log path was given."""
-        if not self.enabled or self._busy_path is None or not end > start:
+        written as unix time), paced or not: unpaced, the interval is the real computation's. No-op
+        when no log path was given (or `busy_log` is off)."""
+        if self._busy_path is None or not end > start:
             return
         offset = time.time() - self.clock()
         row = {

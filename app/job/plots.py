@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from app.job.analysis import ROLES, STALL_ZERO_VARIANCE, RunAnalysis
+from app.job.busy import BusyTime
 
 ROLE_COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "switching": "#C44E52", "idle": "#BBBBBB"}
 
@@ -152,8 +153,26 @@ def plot_learning_health(a: RunAnalysis, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
-def plot_device_roles(a: RunAnalysis, path: Path) -> Path:
-    """Which device did rollout or training when (from lease events), with weight publications."""
+def _busy_bars(a: RunAnalysis, busy: BusyTime, device: str) -> list[tuple[float, float]]:
+    """(start, width) of the intervals `device` computed: its engine's, and the trainer's while the
+    device was leased to training (a micro-batch runs on every training device)."""
+    bars = [
+        (b.start_s, b.end_s - b.start_s) for b in busy.intervals if b.role == "rollout" and b.device == device
+    ]
+    train = [s for s in a.segments if s.device_id == device and s.role == "train"]
+    for b in busy.intervals:
+        if b.role != "train":
+            continue
+        for s in train:
+            lo, hi = max(b.start_s, s.start_s), min(b.end_s, s.end_s)
+            if hi > lo:
+                bars.append((lo, hi - lo))
+    return bars
+
+
+def plot_device_roles(a: RunAnalysis, path: Path, busy: BusyTime | None = None) -> Path:
+    """Which device did rollout or training when (from lease events), with weight publications; where
+    the workers logged busy time, the time each device computed is drawn dark inside its lease."""
     plt = _pyplot()
     devices = sorted({s.device_id for s in a.segments})
     fig, ax = plt.subplots(figsize=(9, 0.5 * max(len(devices), 1) + 1.6))
@@ -166,13 +185,19 @@ def plot_device_roles(a: RunAnalysis, path: Path) -> Path:
             ]
             if bars:
                 ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=ROLE_COLORS[role])
+        if busy is not None and busy.logged:
+            ax.broken_barh(_busy_bars(a, busy, device), (i - 0.15, 0.3), facecolors="#222222")
     for r in a.steps[1:]:
         ax.axvline(r.start_s, color="black", lw=0.5, alpha=0.3)
     ax.set_yticks(range(len(devices)), devices)
     ax.set_xlabel("seconds since run start (thin lines: new weight version)")
     ax.set_title(f"Device roles — policy {a.policy or '?'}, {a.num_reassignments} reassignments")
     handles = [plt.Rectangle((0, 0), 1, 1, color=ROLE_COLORS[r]) for r in ROLES]
-    ax.legend(handles, ROLES, ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    labels = list(ROLES)
+    if busy is not None and busy.logged:
+        handles.append(plt.Rectangle((0, 0), 1, 1, color="#222222"))
+        labels.append("busy (computing)")
+    ax.legend(handles, labels, ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     ax.set_xlim(0, max(a.duration_s, 1e-6))
     return _save(plt, fig, path)
 
@@ -247,13 +272,13 @@ def plot_time_breakdown(a: RunAnalysis, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
-def write_all(a: RunAnalysis, out_dir: Path) -> dict[str, Path]:
+def write_all(a: RunAnalysis, out_dir: Path, busy: BusyTime | None = None) -> dict[str, Path]:
     """Every figure of the report, named by what it shows."""
     out_dir.mkdir(parents=True, exist_ok=True)
     return {
         "reward": plot_reward(a, out_dir / "reward.png"),
         "learning_health": plot_learning_health(a, out_dir / "learning_health.png"),
-        "device_roles": plot_device_roles(a, out_dir / "device_roles.png"),
+        "device_roles": plot_device_roles(a, out_dir / "device_roles.png", busy),
         "tree_dedup": plot_tree_and_dedup(a, out_dir / "tree_dedup.png"),
         "staleness": plot_staleness(a, out_dir / "staleness.png"),
         "time_breakdown": plot_time_breakdown(a, out_dir / "time_breakdown.png"),

@@ -22,6 +22,7 @@ import yaml
 
 from app.job import plots
 from app.job.analysis import LEARNED_RULE, STALL_RULE, Interval, RunAnalysis, analyse
+from app.job.busy import BusyTime, load_busy_time
 from app.job.eventlog import EVENT_LOG_NAME, read_events
 
 REPORT_NAME = "report.md"
@@ -89,9 +90,28 @@ def _mean_switch_s(a: RunAnalysis) -> float:
     return sum(spans) / len(spans) if spans else math.nan
 
 
-def summary_of(a: RunAnalysis, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def busy_summary(a: RunAnalysis, busy: BusyTime) -> dict[str, Any]:
+    """Busy device-seconds per role beside leased ones, the busy-based idle share, and the training
+    role's share of leased and of busy device-time (of the pool's device-time). Empty without a log."""
+    if not busy.logged:
+        return {}
+    num_devices = len({s.device_id for s in a.segments})
+    pool_s = num_devices * a.duration_s
+    per_role = busy.device_s()
+    return {
+        "busy_device_s": per_role,
+        "idle_fraction_busy": _num(idle) if (idle := busy.idle_fraction(num_devices)) is not None else None,
+        "train_lease_share": _num(a.device_time_s.get("train", 0.0) / pool_s if pool_s > 0 else math.nan),
+        "train_busy_share": _num(per_role.get("train", 0.0) / pool_s if pool_s > 0 else math.nan),
+    }
+
+
+def summary_of(
+    a: RunAnalysis, extra: dict[str, Any] | None = None, busy: BusyTime | None = None
+) -> dict[str, Any]:
     """Headline numbers of a run (JSON-ready: non-finite numbers become null)."""
     out: dict[str, Any] = {
+        **(busy_summary(a, busy) if busy is not None else {}),
         "run_id": a.run_id,
         "policy": a.policy,
         "num_steps": a.num_steps,
@@ -254,8 +274,47 @@ def supervisor_restarts(run_dir: Path) -> dict[str, int]:
         return {}
 
 
+def _device_time_table(a: RunAnalysis, busy: BusyTime | None, total_dev: float) -> list[str]:
+    """Leased device-seconds per role and, where the workers logged it, busy ones beside them."""
+    if busy is None or not busy.logged:
+        return [
+            "| role | device-seconds leased | share |",
+            "|---|---:|---:|",
+            *[f"| {role} | {sec:.1f} | {sec / total_dev:.0%} |" for role, sec in a.device_time_s.items()],
+        ]
+    done = busy.device_s()
+    rows = []
+    for role, sec in a.device_time_s.items():
+        b = done.get(role)
+        used = f"{b:.1f} | {b / sec:.0%}" if b is not None and sec > 0 else "- | -"
+        rows.append(f"| {role} | {sec:.1f} | {sec / total_dev:.0%} | {used} |")
+    return [
+        "| role | device-seconds leased | share | device-seconds busy | busy / leased |",
+        "|---|---:|---:|---:|---:|",
+        *rows,
+    ]
+
+
+def _busy_lines(a: RunAnalysis, busy: BusyTime | None) -> list[str]:
+    if busy is None or not busy.logged:
+        return ["", "No busy-time log in this run directory (pacing/*.jsonl): busy time is not shown."]
+    s = busy_summary(a, busy)
+    return [
+        "",
+        f"Idle share by busy time (1 - busy device-seconds / pool device-seconds, the simulator's "
+        f"definition): **{_fmt(s['idle_fraction_busy'], 3)}**. Training held "
+        f"{_fmt(s['train_lease_share'], 3)} of the pool's device-time by lease and computed "
+        f"{_fmt(s['train_busy_share'], 3)} of it. In the plot, the dark line inside a lease is the time "
+        f"that device computed.",
+    ]
+
+
 def render_markdown(
-    a: RunAnalysis, plot_paths: dict[str, Path], run_dir: Path, incomplete: str | None = None
+    a: RunAnalysis,
+    plot_paths: dict[str, Path],
+    run_dir: Path,
+    incomplete: str | None = None,
+    busy: BusyTime | None = None,
 ) -> str:
     """report.md text (`incomplete`: why the run did not complete, stated at the top)."""
     counters = service_counters(run_dir)
@@ -308,12 +367,11 @@ def render_markdown(
         "",
         f"![device roles]({rel['device_roles']})",
         "",
-        "| role | device-seconds | share |",
-        "|---|---:|---:|",
-        *[f"| {role} | {sec:.1f} | {sec / total_dev:.0%} |" for role, sec in a.device_time_s.items()],
+        *_device_time_table(a, busy, total_dev),
         "",
-        f"Share of device-time without a lease or in a handoff (idle + switching, by lease; not the "
-        f"simulator's busy-based idle fraction, see `gyre compare`): **{_fmt(a.device_idle_fraction, 3)}**.",
+        f"Share of device-time without a lease or in a handoff (idle + switching, by lease): "
+        f"**{_fmt(a.device_idle_fraction, 3)}**.",
+        *_busy_lines(a, busy),
         "",
         "Services restarted by the supervisor: "
         + (", ".join(f"{svc} {n}x" for svc, n in sorted(restarts.items())) or "none")
@@ -377,16 +435,17 @@ def build_report(run_dir: Path, *, extra: dict[str, Any] | None = None, seed: in
     analysis = analyse(read_events(events_path), seed=seed)
     analysis.policy = configured_policy(run_dir) or analysis.policy
     incomplete = incomplete_reason(run_dir, extra)
-    plot_paths = plots.write_all(analysis, run_dir / "plots")
+    busy = load_busy_time(run_dir, analysis.start_unix_s, analysis.duration_s)
+    plot_paths = plots.write_all(analysis, run_dir / "plots", busy)
     report_path = run_dir / REPORT_NAME
-    report_path.write_text(render_markdown(analysis, plot_paths, run_dir, incomplete), encoding="utf-8")
+    report_path.write_text(render_markdown(analysis, plot_paths, run_dir, incomplete, busy), encoding="utf-8")
     counters = service_counters(run_dir)
     if counters.get("batched_tokens"):
         extra = {
             **(extra or {}),
             "service_tree_token_ratio": counters["batched_flat_tokens"] / counters["batched_tokens"],
         }
-    summary = summary_of(analysis, extra)
+    summary = summary_of(analysis, extra, busy)
     summary["completed"] = incomplete is None
     if incomplete is not None:  # a run that died is never reported as having learned
         summary["learned_over_steps_run"] = summary["learned"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,3 +119,36 @@ def test_a_group_scored_zero_counts_as_a_zero_reward_sample(tmp_path: Path) -> N
             writer.write(to_record(ev, "gyre.paths.r.scored"))
     a = analyse(read_events(tmp_path / EVENT_LOG_NAME))
     assert a.steps[0].reward_samples == [0.0, 0.5]
+
+
+def test_busy_time_logged_by_unpaced_workers_is_reported_beside_leased_time(
+    tmp_path: Path, synthetic_run: Callable[..., Path]
+) -> None:
+    from gyre.pacing import Pacer
+
+    synthetic_run(tmp_path, num_steps=4, reward_slope=0.0)
+    start = build_report(tmp_path).analysis.start_unix_s
+    # Pacing off (the default): the pacer still logs the real busy intervals the workers report.
+    # Its clock here is unix time, so the intervals land where they are written.
+    pacer = Pacer(clock=time.time, busy_log_path=tmp_path / "pacing" / "rollout-0.jsonl")
+    assert not pacer.enabled
+    pacer.busy("rollout", "cpu0-0", start + 1.0, start + 4.0)  # 3 device-s
+    pacer.busy("train", "trainer", start + 5.0, start + 6.0, devices=2)  # 2 device-s
+    report = build_report(tmp_path)
+    summary = json.loads(report.summary_path.read_text())
+    assert summary["busy_device_s"] == pytest.approx({"rollout": 3.0, "train": 2.0}, abs=1e-3)
+    pool_s = summary["num_devices"] * report.analysis.duration_s
+    assert summary["idle_fraction_busy"] == pytest.approx(1 - 5.0 / pool_s, abs=1e-4)
+    assert summary["train_busy_share"] == pytest.approx(2.0 / pool_s, abs=1e-4)
+    assert summary["train_lease_share"] == pytest.approx(summary["train_device_s"] / pool_s)
+    text = report.report_path.read_text()
+    assert "device-seconds busy" in text and "Idle share by busy time" in text
+
+
+def test_a_run_without_a_busy_log_says_so_instead_of_showing_zero(
+    tmp_path: Path, synthetic_run: Callable[..., Path]
+) -> None:
+    synthetic_run(tmp_path, num_steps=2, reward_slope=0.0)
+    report = build_report(tmp_path)
+    assert "busy_device_s" not in json.loads(report.summary_path.read_text())
+    assert "No busy-time log" in report.report_path.read_text()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,8 +99,7 @@ class TorchEngine(Engine):
         self._failure: BaseException | None = None  # why the loop died, once it did
         self._pacer = pacer or Pacer()  # off unless devices.pacing is on
         self._stall_until = 0.0  # paced: no admission before this monotonic time (weight sync)
-        self._busy_since: float | None = None  # paced: when the engine last began holding sequences
-        self._held_since: float | None = None  # monotonic time the decode batch last became non-empty
+        self._held_since: float | None = None  # pacer-clock time the decode batch last became non-empty
         self._held_s = 0.0  # seconds of finished non-empty-batch intervals
 
     # -- Engine interface --------------------------------------------------------------------
@@ -132,7 +130,7 @@ class TorchEngine(Engine):
         """Seconds the decode batch has held at least one sequence (prefill and decode time)."""
         held = self._held_s
         if self._held_since is not None:
-            held += time.monotonic() - self._held_since
+            held += self._pacer.clock() - self._held_since
         return held
 
     @property
@@ -240,7 +238,7 @@ class TorchEngine(Engine):
                 del self._queue[: len(admitted)]
                 if admitted:
                     if self._held_since is None:
-                        self._held_since = time.monotonic()
+                        self._held_since = self._pacer.clock()
                     await asyncio.to_thread(self._prefill, admitted)
                     self._pace(admitted, now)
                     self._running += admitted
@@ -308,8 +306,6 @@ class TorchEngine(Engine):
         modelled context of every sequence decoding on this engine (itself included)."""
         if not self._pacer.enabled:
             return
-        if self._busy_since is None:
-            self._busy_since = now
         decoding = sum(s.modeled_context for s in self._running if s.due > now)
         for seq in admitted:
             req = seq.request
@@ -353,13 +349,12 @@ class TorchEngine(Engine):
             pass
 
     def _note_idle(self) -> None:
-        """The engine holds no sequence any more: close the busy interval (and log it, paced runs)."""
+        """The engine holds no sequence any more: close the busy interval and log it (gyre/pacing.py)."""
         if self._held_since is not None and not self._running:
-            self._held_s += time.monotonic() - self._held_since
+            now = self._pacer.clock()
+            self._held_s += now - self._held_since
+            self._pacer.busy("rollout", self.device_id, self._held_since, now)
             self._held_since = None
-        if self._busy_since is not None and not self._running:
-            self._pacer.busy("rollout", self.device_id, self._busy_since, self._pacer.clock())
-            self._busy_since = None
 
     def _drop_cancelled(self) -> None:
         self._queue = [s for s in self._queue if s.finished != "cancelled"]
