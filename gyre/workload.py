@@ -44,6 +44,35 @@ class LatencyComponent(_Strict):
     )
 
 
+class SchedulePoint(_Strict):
+    """A domain's drift at one training step: multipliers on its base values (1 = unchanged).
+
+    Between two points every multiplier is linear in the step; before the first point and after the
+    last it holds. This describes length growth over training (RL responses lengthen as the policy
+    learns to reason longer), curricula (domain weights shifting) and phase changes (two points one
+    step apart).
+    """
+
+    step: int = Field(..., ge=0, description="Training step (batch index) this point applies to.")
+    context_scale: float = Field(
+        default=1.0, gt=0, description="Multiplier on `context_median_tokens` (the cap still applies)."
+    )
+    turns_scale: float = Field(
+        default=1.0,
+        gt=0,
+        description="Multiplier on the turn count an execution's length gives (more, shorter turns).",
+    )
+    weight_scale: float = Field(default=1.0, gt=0, description="Multiplier on the domain's `weight`.")
+
+
+class Drift(_Strict):
+    """The multipliers of one domain at one step (interpolated from its schedule)."""
+
+    context: float = 1.0
+    turns: float = 1.0
+    weight: float = 1.0
+
+
 class Domain(_Strict):
     """A family of tasks: how long its executions are, how many turns, how slow its environment."""
 
@@ -90,6 +119,37 @@ class Domain(_Strict):
     env_cap_s: float = Field(
         default=1800.0, gt=0, description="Tool timeout: no environment action lasts longer (s)."
     )
+    schedule: list[SchedulePoint] = Field(
+        default_factory=list,
+        description="Drift over training: multipliers at given steps, piecewise-linear between them; "
+        "empty = stationary.",
+    )
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> Domain:
+        steps = [p.step for p in self.schedule]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"domain {self.name!r}: schedule steps must be strictly increasing, got {steps}")
+        return self
+
+    def drift_at(self, step: int) -> Drift:
+        """The schedule's multipliers at `step` (linear between points, held outside them)."""
+        pts = self.schedule
+        if not pts:
+            return Drift()
+        if step <= pts[0].step:
+            p = pts[0]
+            return Drift(context=p.context_scale, turns=p.turns_scale, weight=p.weight_scale)
+        for a, b in zip(pts, pts[1:], strict=False):
+            if step <= b.step:
+                f = (step - a.step) / (b.step - a.step)
+                return Drift(
+                    context=a.context_scale + f * (b.context_scale - a.context_scale),
+                    turns=a.turns_scale + f * (b.turns_scale - a.turns_scale),
+                    weight=a.weight_scale + f * (b.weight_scale - a.weight_scale),
+                )
+        p = pts[-1]
+        return Drift(context=p.context_scale, turns=p.turns_scale, weight=p.weight_scale)
 
 
 class ServiceSemantics(_Strict):
@@ -362,12 +422,14 @@ def _shares(rng: np.random.Generator, n: int, sigma: float) -> np.ndarray:
 def sample_executions(w: Workload) -> list[list[ExecutionPlan]]:
     """Executions per step: [step][i], `tasks_per_step * group_size` each. Same seed, same trajectories."""
     rng = np.random.default_rng(w.seed)
-    weights = np.array([d.weight for d in w.domains], dtype=float)
     steps: list[list[ExecutionPlan]] = []
     for step in range(w.num_steps):
+        drift = [d.drift_at(step) for d in w.domains]
+        weights = np.array([d.weight * x.weight for d, x in zip(w.domains, drift, strict=True)], dtype=float)
         execs: list[ExecutionPlan] = []
         for task in range(w.tasks_per_step):
-            d = w.domains[int(rng.choice(len(w.domains), p=weights / weights.sum()))]
+            which = int(rng.choice(len(w.domains), p=weights / weights.sum()))
+            d, x = w.domains[which], drift[which]
             z_task = rng.standard_normal()
             env_scale = float(
                 np.exp(d.task_env_scale_sigma * rng.standard_normal() - d.task_env_scale_sigma**2 / 2)
@@ -378,9 +440,10 @@ def sample_executions(w: Workload) -> list[list[ExecutionPlan]]:
                     + np.sqrt(1 - d.group_correlation) * rng.standard_normal()
                 )
                 length = min(
-                    d.context_cap_tokens, d.context_median_tokens * float(np.exp(d.context_sigma * z))
+                    d.context_cap_tokens,
+                    d.context_median_tokens * x.context * float(np.exp(d.context_sigma * z)),
                 )
-                turns = max(1, round(length / d.tokens_per_turn))
+                turns = max(1, round(x.turns * length / d.tokens_per_turn))
                 gen_total = length * float(
                     np.clip(
                         rng.beta(6, 6 / d.generated_fraction - 6) if d.generated_fraction < 1 else 1.0,
