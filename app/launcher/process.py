@@ -1,36 +1,21 @@
 """One service as its own OS process group, with a log file, a readiness line and a clean stop.
 
-Guarantees:
-
-* the service leads its own session and process group (pgid == pid), so a terminal's Ctrl-C
-  reaches only the launcher, and stopping the group reaches every process the service spawned;
-* stdout and stderr go to the log file, never through a pipe to the launcher, so a busy or dead
-  launcher can never block a service on a full pipe;
-* `stop()` sends SIGTERM to the group, waits `grace_s`, SIGKILLs what is left of the group and of
-  the service's descendants (also those that left the group), and reaps the process. Idempotent.
-* started from the main thread on Linux, the service gets SIGTERM if the launcher dies (even by
-  SIGKILL), so a killed launcher does not leave a running deployment behind.
+The process handling is the one runner of Gyre, `gyre.embedded.process.ProcessGroup` (its own
+session and process group, output to the log file, a parent-death SIGTERM, a stop that leaves no
+process of the group or of its descendants behind); see its module docstring for the guarantees.
+This module adds what only a service has: its readiness line (GYRE_READY) read from the log, and
+the restart policy of the supervisor.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
-import psutil
+from gyre.embedded.process import ProcessGroup
 
-_PR_SET_PDEATHSIG = 1
 READY_LINE = re.compile(r"^GYRE_READY (?P<name>\S+) (?P<grpc_port>\d+) (?P<metrics_port>\d+)\s*$", re.M)
 
 
@@ -80,49 +65,18 @@ class Ready:
     metrics_port: int
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    # PDEATHSIG follows the *thread* that forked; only the main thread lives as long as the launcher.
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-
-    def _set() -> None:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return _set
-
-
-class ServiceProcess:
-    """A started service process (see the module docstring for the guarantees)."""
+class ServiceProcess(ProcessGroup):
+    """A started service process (see the module docstring for the guarantees): a
+    `gyre.embedded.process.ProcessGroup` that also reads the service's log and its readiness line."""
 
     def __init__(self, name: str, cmd: Sequence[str], env: Mapping[str, str], log_path: Path) -> None:
-        self.name = name
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log: IO[bytes] | None = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
-        self._log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} $ {' '.join(cmd)}\n".encode())
-        self._log.flush()
-        self._log_offset = self._log.tell()
-        self._proc: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
-            list(cmd),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(env),
-            start_new_session=True,
-            preexec_fn=_parent_death_signal(),
-        )
-        self.pid: int = self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """Exit status once the process ended (negative: killed by that signal), None while it runs."""
-        return self._proc.poll()
+        super().__init__(name, cmd, log_path, env=env)
 
     def log_text(self) -> str:
         """What the service wrote since this start."""
         try:
             with self.log_path.open("rb") as f:
-                f.seek(self._log_offset)
+                f.seek(self.log_offset)
                 return f.read().decode(errors="replace")
         except OSError:
             return ""
@@ -136,48 +90,3 @@ class ServiceProcess:
             if match["name"] == self.name:
                 return Ready(int(match["grpc_port"]), int(match["metrics_port"]))
         return None
-
-    def descendants(self) -> list[psutil.Process]:
-        with contextlib.suppress(psutil.Error):
-            return psutil.Process(self.pid).children(recursive=True)
-        return []
-
-    def stop(self, grace_s: float) -> int | None:
-        """SIGTERM the group, SIGKILL after `grace_s`, reap; returns the exit status. Idempotent."""
-        children = self.descendants()
-        if self._proc.poll() is None:
-            _signal_group(self.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.pid, signal.SIGKILL)
-                self._proc.wait()
-        # The leader is gone; whatever is left of its group or its descendants goes too.
-        if _group_alive(self.pid):
-            _signal_group(self.pid, signal.SIGTERM)
-            deadline = time.monotonic() + min(grace_s, 5.0)
-            while _group_alive(self.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            _signal_group(self.pid, signal.SIGKILL)
-        for child in children:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-        psutil.wait_procs(children, timeout=5.0)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return self._proc.returncode
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _group_alive(pgid: int) -> bool:
-    """True while some process (not a zombie) is still in process group `pgid`."""
-    for proc in psutil.process_iter(["pid", "status"]):
-        with contextlib.suppress(psutil.Error):
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.info["pid"]) == pgid:
-                return True
-    return False

@@ -2,13 +2,72 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from gyre.config import ConfigModel
 from gyre.model import ModelConfig
+
+# The flat keys of older configs and the nested key that replaced each (rollout.harness.*).
+_MOVED_HARNESS_KEYS = {
+    "harness_command": "harness.command",
+    "harness_tasks": "harness.tasks",
+    "harness_reward": "harness.reward",
+    "harness_timeout_s": "harness.timeout_s",
+    "harness_memory_bytes": "harness.memory_bytes",
+    "harness_cpu_s": "harness.cpu_s",
+    "harness_max_output_bytes": "harness.max_output_bytes",
+}
+
+
+class HarnessConfig(ConfigModel):
+    """Who drives an execution (`rollout.harness`), and the limits of an external agent process."""
+
+    kind: Literal["builtin", "external"] = Field(
+        "builtin",
+        description=(
+            "Who drives an execution: 'builtin' = Gyre's agent loop against `environment`; 'external' = "
+            "the user's agent process (`harness.command`), one per execution, calling the OpenAI endpoint "
+            "through a per-execution key (services/rollout/harness.py, docs/rollout.md)."
+        ),
+    )
+    command: list[str] = Field(
+        default_factory=list,
+        description=(
+            "External harness: the agent's argv, run once per execution in its task's work directory. "
+            "'{python}' becomes this interpreter; an argument naming an existing file relative to the "
+            "service's working directory is made absolute."
+        ),
+    )
+    tasks: Path | None = Field(
+        None,
+        description=(
+            "External harness: JSONL tasks (`task_id` + `prompt` or `messages`, any other fields) given to "
+            "the agent as-is (services/rollout/environments/json_tasks.py); unset: the tasks of "
+            "`environment` (workspace)."
+        ),
+    )
+    reward: str | None = Field(
+        None,
+        description=(
+            "External harness: reward function 'package.module:function' or 'file.py:function', called "
+            "as fn(task, workdir, output, exit_code) -> float or dict (reward, milestones_reached, "
+            "milestones_total, tests_passed_fraction); unset: the workspace environment's hidden tests."
+        ),
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, description="External harness: wall-clock seconds per agent run before it is killed."
+    )
+    memory_bytes: int = Field(
+        4 << 30, ge=1 << 26, description="External harness: address-space limit of the agent process (bytes)."
+    )
+    cpu_s: int = Field(3600, ge=1, description="External harness: CPU-time limit of the agent (seconds).")
+    max_output_bytes: int = Field(
+        65536, ge=1024, description="External harness: stdout/stderr kept per agent run (tail, bytes)."
+    )
 
 
 class RolloutConfig(ConfigModel):
@@ -111,48 +170,9 @@ class RolloutConfig(ConfigModel):
         description="New generations only on engines at most this many versions behind the newest (-1: off).",
     )
 
-    harness: Literal["builtin", "external"] = Field(
-        "builtin",
-        description=(
-            "Who drives an execution: 'builtin' = Gyre's agent loop against `environment`; 'external' = "
-            "the user's agent process (`harness_command`), one per execution, calling the OpenAI endpoint "
-            "through a per-execution key (services/rollout/harness.py, docs/rollout.md)."
-        ),
-    )
-    harness_command: list[str] = Field(
-        default_factory=list,
-        description=(
-            "External harness: the agent's argv, run once per execution in its task's work directory. "
-            "'{python}' becomes this interpreter; an argument naming an existing file relative to the "
-            "service's working directory is made absolute."
-        ),
-    )
-    harness_tasks: Path | None = Field(
-        None,
-        description=(
-            "External harness: JSONL tasks (`task_id` + `prompt` or `messages`, any other fields) given to "
-            "the agent as-is; unset: the tasks of `environment` (workspace)."
-        ),
-    )
-    harness_reward: str | None = Field(
-        None,
-        description=(
-            "External harness: reward function 'package.module:function' or 'file.py:function', called "
-            "as fn(task, workdir, output, exit_code) -> float or dict (reward, milestones_reached, "
-            "milestones_total, tests_passed_fraction); unset: the workspace environment's hidden tests."
-        ),
-    )
-    harness_timeout_s: float = Field(
-        600.0, gt=0, description="External harness: wall-clock seconds per agent run before it is killed."
-    )
-    harness_memory_bytes: int = Field(
-        4 << 30, ge=1 << 26, description="External harness: address-space limit of the agent process (bytes)."
-    )
-    harness_cpu_s: int = Field(
-        3600, ge=1, description="External harness: CPU-time limit of the agent (seconds)."
-    )
-    harness_max_output_bytes: int = Field(
-        65536, ge=1024, description="External harness: stdout/stderr kept per agent run (tail, bytes)."
+    harness: HarnessConfig = Field(
+        default_factory=lambda: HarnessConfig.model_validate({}),
+        description="Who drives an execution, and the limits of an external agent process.",
     )
 
     openai_host: str = Field("127.0.0.1", description="Bind address of the OpenAI-compatible endpoint.")
@@ -210,25 +230,45 @@ class RolloutConfig(ConfigModel):
         2.0, gt=0, description="Seconds between ReportLoad calls to the scheduler."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_flat_harness_keys(cls, data: Any) -> Any:
+        """Older configs wrote `harness: external` and `harness_*` keys; say which nested key replaced each."""
+        if not isinstance(data, Mapping):
+            return data
+        moved = [
+            f"rollout.{old} is now rollout.{new}" for old, new in _MOVED_HARNESS_KEYS.items() if old in data
+        ]
+        if isinstance(data.get("harness"), str):
+            moved.insert(
+                0, f"rollout.harness: {data['harness']} is now rollout.harness.kind: {data['harness']}"
+            )
+        if moved:
+            raise ValueError(
+                "the harness settings moved into the rollout.harness section: " + "; ".join(moved)
+            )
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
         if self.engine == "vllm" and len(self.vllm_urls) != self.num_devices:
             raise ValueError(
                 f"engine 'vllm' needs one vllm_urls entry per device ({self.num_devices}), got {len(self.vllm_urls)}"
             )
-        if self.harness == "external":
-            if not self.harness_command:
-                raise ValueError("harness 'external' needs harness_command (the agent's argv)")
+        harness = self.harness
+        if harness.kind == "external":
+            if not harness.command:
+                raise ValueError("harness.kind 'external' needs harness.command (the agent's argv)")
             if self.openai_port is None:
                 raise ValueError(
-                    "harness 'external' needs the OpenAI endpoint: set openai_port (0 = a free port)"
+                    "harness.kind 'external' needs the OpenAI endpoint: set openai_port (0 = a free port)"
                 )
-            if self.harness_tasks is None and self.environment != "workspace":
+            if harness.tasks is None and self.environment != "workspace":
                 raise ValueError(
-                    "harness 'external' needs tasks: set harness_tasks (JSONL) or environment 'workspace'"
+                    "harness.kind 'external' needs tasks: set harness.tasks (JSONL) or environment 'workspace'"
                 )
-            if self.harness_tasks is not None and self.harness_reward is None:
-                raise ValueError("harness_tasks have no tests to score them: set harness_reward")
+            if harness.tasks is not None and harness.reward is None:
+                raise ValueError("harness.tasks have no tests to score them: set harness.reward")
         if self.model.vocab_size < 267:
             raise ValueError("model.vocab_size must hold the byte tokenizer (>= 267; default 512)")
         return self

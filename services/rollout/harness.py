@@ -1,13 +1,15 @@
-"""External harness mode (`rollout.harness: external`): every execution is one run of the user's agent.
+"""External harness mode (`rollout.harness.kind: external`): every execution is one run of the user's agent.
 
     ExecutionManager.start_group -> for each execution: ExternalHarness.run(spec, env)
         ExecutionEvent STARTED; env.reset()       -> the task (opening messages, task fields)
         issue_execution_endpoint(...)             -> (OPENAI_BASE_URL, OPENAI_API_KEY) of THIS execution
-        launch `harness_command` as the sandbox user (own process group, rlimits, cwd = work directory)
+        run_agent (agent_process.py): launch `harness.command` as the sandbox user
+            (own process group, rlimits, cwd = work directory)
             stdin: the task as one JSON object; the same JSON in the file $GYRE_TASK_FILE
             every model call it makes -> the OpenAI endpoint -> router -> StepEvent (call_seq 0..n-1)
-        wait for its exit, at most `harness_timeout_s` (then SIGTERM, then SIGKILL to the whole group)
-        score: the reward callable (`harness_reward`) or the environment's own tests / milestones
+        wait for its exit, at most `harness.timeout_s` (then SIGTERM, then SIGKILL to the whole group)
+        score: the reward callable (`harness.reward`, load_reward below) or the environment's own
+            tests / milestones (tasks of a JSONL file: environments/json_tasks.py)
         endpoint.end(...) -> ExecutionEvent FINISHED (exit 0) | TRUNCATED (timed out) | FAILED
             (non-zero exit) with reward and progress; later calls with that URL or key get 409/401.
             The trajectory service scores and trains it like any execution
@@ -39,21 +41,15 @@ file system (what its uid may read); run the rollout in a container for untruste
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib
 import importlib.util
 import inspect
 import json
 import logging
-import os
-import resource
 import shutil
-import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,8 +57,11 @@ from gyre.errors import InvalidArgument
 from gyre.v1 import events_pb2
 
 from .agent import ExecutionOutcome, ExecutionSpec
-from .environments.base import Action, Environment, Progress, StepResult, TaskFamily
-from .environments.sandbox import SandboxUser, kill_sandbox, sandbox_path
+from .agent_process import AgentRun, HarnessSettings, resolve_command, run_agent
+from .config import HarnessConfig
+from .environments.base import Environment, Progress, TaskFamily
+from .environments.json_tasks import JsonTaskFamily
+from .environments.sandbox import SandboxUser, sandbox_path
 from .steps import StepSink
 
 log = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ RewardFn = Callable[..., Any]
 A float is the reward. A dict may hold `reward`, `milestones_reached`, `milestones_total`,
 `tests_passed_fraction`; without `reward` the reward is the partial score of those signals
 (tests fraction, else milestone fraction). `output` is the agent's stdout (tail, at most
-`harness_max_output_bytes`); `exit_code` is None when the agent timed out.
+`harness.max_output_bytes`); `exit_code` is None when the agent timed out.
 """
 
 
@@ -122,93 +121,6 @@ class OpenAIExecutions:
             return 0
 
 
-@dataclass(frozen=True)
-class HarnessSettings:
-    """The harness part of RolloutConfig (see its `harness_*` fields for meanings and units)."""
-
-    command: list[str]
-    timeout_s: float = 600.0
-    kill_grace_s: float = 2.0
-    memory_bytes: int = 4 << 30
-    cpu_s: int = 3600
-    max_open_files: int = 1024
-    max_processes: int = 256
-    max_output_bytes: int = 65536
-    reward: str | None = None
-
-
-# -- task sources -----------------------------------------------------------------------------
-
-
-@dataclass
-class JsonTask:
-    """One task of a `harness_tasks` JSONL file: `task_id`, a `prompt` and any fields of the user's."""
-
-    task_id: str
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-class JsonTaskEnv(Environment):
-    """A task for an external agent: no steps (the agent acts on its own), scored by the reward function."""
-
-    name = "tasks"
-
-    def __init__(self, task: JsonTask) -> None:
-        self.task, self.task_id = task, task.task_id
-        self._progress = Progress()
-
-    async def reset(self) -> list[dict[str, Any]]:
-        messages = self.task.fields.get("messages")
-        if isinstance(messages, list):
-            return list(messages)
-        return [{"role": "user", "content": str(self.task.fields.get("prompt", ""))}]
-
-    async def step(self, action: Action) -> StepResult:
-        raise InvalidArgument("a harness task has no steps: the external agent acts on its own")
-
-    @property
-    def progress(self) -> Progress:
-        return self._progress
-
-
-class JsonTaskFamily(TaskFamily):
-    name = "tasks"
-
-    def __init__(self, tasks: list[JsonTask]) -> None:
-        if not tasks:
-            raise InvalidArgument("harness_tasks: no tasks")
-        self.tasks = {t.task_id: t for t in tasks}
-
-    @classmethod
-    def from_jsonl(cls, path: str | Path) -> JsonTaskFamily:
-        """Tasks from JSONL: one object per line with `task_id` ([A-Za-z0-9_-]) and `prompt` or `messages`."""
-        if not Path(path).is_file():
-            raise InvalidArgument(f"harness_tasks {path} does not exist (a JSONL file of tasks)")
-        tasks = []
-        for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise InvalidArgument(f"{path}:{n}: not JSON ({exc})") from exc
-            task_id = obj.get("task_id") if isinstance(obj, dict) else None
-            if not isinstance(task_id, str) or not task_id.replace("-", "").replace("_", "").isalnum():
-                raise InvalidArgument(f"{path}:{n}: needs a task_id of [A-Za-z0-9_-]")
-            if "prompt" not in obj and not isinstance(obj.get("messages"), list):
-                raise InvalidArgument(f"{path}:{n}: needs a 'prompt' string or a 'messages' list")
-            tasks.append(JsonTask(task_id, obj))
-        return cls(tasks)
-
-    def task_ids(self, num_tasks: int) -> list[str]:
-        return list(self.tasks)[:num_tasks]
-
-    def make(self, task_id: str) -> JsonTaskEnv:
-        if task_id not in self.tasks:
-            raise InvalidArgument(f"unknown task {task_id!r}; known: {sorted(self.tasks)}")
-        return JsonTaskEnv(self.tasks[task_id])
-
-
 # -- reward -----------------------------------------------------------------------------------
 
 
@@ -219,21 +131,21 @@ def load_reward(spec: str) -> RewardFn:
     else:
         where, _, name = spec.rpartition(".")
     if not where or not name:
-        raise InvalidArgument(f"harness_reward {spec!r}: use 'package.module:function' or 'file.py:function'")
+        raise InvalidArgument(f"harness.reward {spec!r}: use 'package.module:function' or 'file.py:function'")
     try:
         if where.endswith(".py"):
             file_spec = importlib.util.spec_from_file_location(f"gyre_reward_{Path(where).stem}", where)
             if file_spec is None or file_spec.loader is None or not Path(where).is_file():
-                raise InvalidArgument(f"harness_reward: no file {where}")
+                raise InvalidArgument(f"harness.reward: no file {where}")
             module = importlib.util.module_from_spec(file_spec)
             file_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
     except ImportError as exc:
-        raise InvalidArgument(f"harness_reward {spec!r}: cannot import {where}: {exc}") from exc
+        raise InvalidArgument(f"harness.reward {spec!r}: cannot import {where}: {exc}") from exc
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise InvalidArgument(f"harness_reward {spec!r}: {where} has no callable {name!r}")
+        raise InvalidArgument(f"harness.reward {spec!r}: {where} has no callable {name!r}")
     return fn
 
 
@@ -260,141 +172,6 @@ def _as_progress(value: Any) -> tuple[float, Progress]:
     return reward, progress
 
 
-# -- the agent process ------------------------------------------------------------------------
-
-
-@dataclass
-class AgentRun:
-    """How one agent process ended."""
-
-    exit_code: int | None  # None: killed on timeout
-    output: str  # stdout tail
-    errors: str  # stderr tail
-    wall_s: float
-
-    @property
-    def timed_out(self) -> bool:
-        return self.exit_code is None
-
-
-def _limit_agent(settings: HarnessSettings, uid: int | None) -> None:
-    """In the child between fork and exec: rlimits (the new session comes from start_new_session).
-
-    RLIMIT_NPROC counts per real uid, so it is set only where the uid is the agent's own.
-    """
-    resource.setrlimit(resource.RLIMIT_AS, (settings.memory_bytes, settings.memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (settings.cpu_s, settings.cpu_s))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (settings.max_open_files, settings.max_open_files))
-    if uid is not None:
-        resource.setrlimit(resource.RLIMIT_NPROC, (settings.max_processes, settings.max_processes))
-
-
-def _as_user(argv: list[str], uid: int | None) -> list[str]:
-    """argv run as the sandbox uid through `setpriv` (no new privileges, no supplementary groups).
-
-    No network or PID namespace, unlike workspace commands: the agent must reach the endpoint.
-    """
-    if uid is None:
-        return argv
-    setpriv = shutil.which("setpriv") or "setpriv"
-    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--", *argv]
-
-
-def _kill_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _is_relative_file(base: Path, arg: str) -> bool:
-    if not arg or os.path.isabs(arg) or arg.startswith("-") or "\n" in arg:
-        return False
-    try:
-        return (base / arg).is_file()
-    except OSError:  # e.g. an inline script passed with -c: not a path
-        return False
-
-
-def resolve_command(command: list[str], base: Path | None = None) -> list[str]:
-    """`{python}` -> this interpreter; an argument naming an existing file under `base` (the service's
-    working directory) -> its absolute path, since the agent runs in its task's work directory."""
-    base = base or Path.cwd()
-    out = []
-    for arg in command:
-        arg = arg.replace("{python}", sys.executable)
-        out.append(str((base / arg).resolve()) if _is_relative_file(base, arg) else arg)
-    return out
-
-
-async def _read_tail(stream: asyncio.StreamReader | None, limit: int) -> bytes:
-    """Read `stream` to EOF keeping the last `limit` bytes (the rest is drained so the writer never blocks)."""
-    kept = b""
-    if stream is None:
-        return kept
-    while chunk := await stream.read(65536):
-        kept = (kept + chunk)[-limit:]
-    return kept
-
-
-async def run_agent(
-    argv: list[str],
-    task_json: str,
-    workdir: Path,
-    env: dict[str, str],
-    settings: HarnessSettings,
-    user: SandboxUser,
-) -> AgentRun:
-    """Run the agent once as `user`: own session and process group, rlimits, stdin = the task.
-
-    Bounded by `timeout_s`: then its group gets SIGTERM, and SIGKILL after `kill_grace_s`. When the
-    agent's first process is gone (exit or kill), every process of its group and of its sandbox user
-    (its uid, or its GYRE_SANDBOX marker) is SIGKILLed before this returns, so nothing it started -
-    not even a `setsid` daemon holding its output pipe - outlives the execution.
-    """
-    started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *_as_user(argv, user.uid),
-        cwd=str(workdir),
-        env={**env, "GYRE_SANDBOX": user.marker},
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-        preexec_fn=functools.partial(_limit_agent, settings, user.uid),
-    )
-    limit = settings.max_output_bytes
-    readers = [asyncio.create_task(_read_tail(s, limit)) for s in (proc.stdout, proc.stderr)]
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(task_json.encode())
-        await proc.stdin.drain()
-        proc.stdin.close()
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # an agent that does not read its stdin
-    # Poll the exit status: proc.wait() would also wait for pipes a leftover child may hold (3.11).
-    deadline = started + settings.timeout_s
-    while proc.returncode is None and time.monotonic() < deadline:  # noqa: ASYNC110 - no exit event
-        await asyncio.sleep(0.05)
-    timed_out = proc.returncode is None
-    if timed_out:
-        _kill_group(proc.pid, signal.SIGTERM)
-        grace = time.monotonic() + settings.kill_grace_s
-        while proc.returncode is None and time.monotonic() < grace:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-    _kill_group(proc.pid, signal.SIGKILL)
-    await asyncio.to_thread(kill_sandbox, user.uid, user.marker)
-    await proc.wait()
-    try:
-        out, err = await asyncio.wait_for(asyncio.gather(*readers), 5.0)
-    except TimeoutError:  # a process that escaped every kill still holds a pipe
-        out, err = b"", b"(output lost: a process of the agent outlived it and holds its pipes)"
-    decode = lambda b: b.decode("utf-8", errors="replace")  # noqa: E731
-    return AgentRun(
-        None if timed_out else proc.returncode, decode(out), decode(err), time.monotonic() - started
-    )
-
-
 # -- one execution ----------------------------------------------------------------------------
 
 
@@ -409,12 +186,12 @@ class ExternalHarness:
         reward: RewardFn | None = None,
     ) -> None:
         if not settings.command:
-            raise InvalidArgument("rollout.harness_command is empty: give the agent's command line")
+            raise InvalidArgument("rollout.harness.command is empty: give the agent's command line")
         self.endpoints, self.sink, self.settings, self.reward = endpoints, sink, settings, reward
         self.argv = resolve_command(settings.command)
         if shutil.which(self.argv[0]) is None:  # refused at startup, not once per execution
             raise InvalidArgument(
-                f"harness_command: {settings.command[0]!r} is not an executable file or a command on PATH"
+                f"harness.command: {settings.command[0]!r} is not an executable file or a command on PATH"
             )
 
     def _started(self, spec: ExecutionSpec, progress: Progress) -> events_pb2.ExecutionEvent:
@@ -552,18 +329,18 @@ class ExternalHarness:
 
 
 def build_external_harness(
-    cfg: Any, endpoint: Any, sink: StepSink, family: TaskFamily
+    cfg: HarnessConfig, endpoint: Any, sink: StepSink, family: TaskFamily
 ) -> tuple[ExternalHarness, TaskFamily]:
-    """The harness and task family of `rollout.harness: external` (cfg is the RolloutConfig)."""
+    """The harness and task family of `rollout.harness.kind: external` (`cfg` is rollout.harness)."""
     settings = HarnessSettings(
-        command=list(cfg.harness_command),
-        timeout_s=cfg.harness_timeout_s,
-        memory_bytes=cfg.harness_memory_bytes,
-        cpu_s=cfg.harness_cpu_s,
-        max_output_bytes=cfg.harness_max_output_bytes,
-        reward=cfg.harness_reward,
+        command=list(cfg.command),
+        timeout_s=cfg.timeout_s,
+        memory_bytes=cfg.memory_bytes,
+        cpu_s=cfg.cpu_s,
+        max_output_bytes=cfg.max_output_bytes,
+        reward=cfg.reward,
     )
-    reward = load_reward(cfg.harness_reward) if cfg.harness_reward else None
-    if cfg.harness_tasks is not None:
-        family = JsonTaskFamily.from_jsonl(cfg.harness_tasks)
+    reward = load_reward(cfg.reward) if cfg.reward else None
+    if cfg.tasks is not None:
+        family = JsonTaskFamily.from_jsonl(cfg.tasks)
     return ExternalHarness(OpenAIExecutions(endpoint), sink, settings, reward), family

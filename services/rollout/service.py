@@ -244,11 +244,11 @@ class RolloutService(Service):
             )  # fmt: skip
             endpoint.weights_loader = self.swapper.apply
             self.http, self.http_port = await serve(create_app(endpoint), cfg.openai_host, cfg.openai_port)
-            if cfg.harness == "external":  # executions run the user's agent against this endpoint
+            if cfg.harness.kind == "external":  # executions run the user's agent against this endpoint
                 from .harness import build_external_harness
 
                 self.executions.agent, self.executions.family = build_external_harness(
-                    cfg, endpoint, self.sink, self.executions.family
+                    cfg.harness, endpoint, self.sink, self.executions.family
                 )
             log.info(
                 "OpenAI-compatible endpoint on http://%s:%d/v1; use it with OPENAI_BASE_URL=http://%s:%d/v1 "

@@ -17,14 +17,10 @@ from gyre.bus import Bus, subjects
 from gyre.model import ModelConfig
 from gyre.v1 import events_pb2
 from services.rollout.agent import ExecutionSpec
+from services.rollout.agent_process import HarnessSettings
 from services.rollout.engines.torch_engine import TorchEngine
-from services.rollout.harness import (
-    ExternalHarness,
-    HarnessSettings,
-    JsonTaskFamily,
-    OpenAIExecutions,
-    load_reward,
-)
+from services.rollout.environments.json_tasks import JsonTaskFamily
+from services.rollout.harness import ExternalHarness, OpenAIExecutions, load_reward
 from services.rollout.openai_api import OpenAIEndpoint, create_app, serve
 from services.rollout.router import Router
 from services.rollout.steps import BusStepSink
@@ -238,14 +234,50 @@ def test_config_refuses_an_external_harness_it_cannot_run() -> None:
 
     from services.rollout.config import RolloutConfig
 
-    with pytest.raises(ValidationError, match="harness_command"):
-        RolloutConfig(harness="external", environment="workspace")
-    with pytest.raises(ValidationError, match="harness_tasks"):
-        RolloutConfig(harness="external", harness_command=["agent"])  # longhorizon has no external tasks
-    with pytest.raises(ValidationError, match="harness_reward"):
-        RolloutConfig(harness="external", harness_command=["agent"], harness_tasks=Path("t.jsonl"))
+    def external(**harness: object) -> dict[str, object]:
+        return {"kind": "external", **harness}
+
+    with pytest.raises(ValidationError, match="harness.command"):
+        RolloutConfig(harness=external(), environment="workspace")
+    with pytest.raises(ValidationError, match="harness.tasks"):
+        RolloutConfig(harness=external(command=["agent"]))  # longhorizon has no external tasks
+    with pytest.raises(ValidationError, match="harness.reward"):
+        RolloutConfig(harness=external(command=["agent"], tasks=Path("t.jsonl")))
     with pytest.raises(ValidationError, match="openai_port"):
-        RolloutConfig(harness="external", harness_command=["a"], environment="workspace", openai_port=None)
+        RolloutConfig(harness=external(command=["a"]), environment="workspace", openai_port=None)
+    cfg = RolloutConfig(harness=external(command=["a"], timeout_s=7), environment="workspace")
+    assert cfg.harness.kind == "external" and cfg.harness.timeout_s == 7.0
+
+
+def test_the_old_flat_harness_keys_are_refused_naming_the_nested_key() -> None:
+    from pydantic import ValidationError
+
+    from gyre.config import load_section
+    from gyre.errors import ConfigError
+    from services.rollout.config import RolloutConfig
+
+    with pytest.raises(
+        ValidationError, match=r"rollout\.harness_timeout_s is now rollout\.harness\.timeout_s"
+    ):
+        RolloutConfig.model_validate({"harness_timeout_s": 120})
+    with pytest.raises(
+        ValidationError, match=r"rollout\.harness: external is now rollout\.harness\.kind: external"
+    ):
+        RolloutConfig.model_validate({"harness": "external", "harness_command": ["agent"]})
+    with pytest.raises(ValidationError, match=r"harness_command is now rollout\.harness\.command"):
+        RolloutConfig.model_validate({"harness": "external", "harness_command": ["agent"]})
+    with pytest.raises(ConfigError, match=r"rollout\.harness_cpu_s is now rollout\.harness\.cpu_s"):
+        load_section(RolloutConfig, "rollout", data={"rollout": {"harness_cpu_s": 5}})
+
+
+def test_the_byo_agent_example_config_loads_with_the_nested_harness_section() -> None:
+    from gyre.config import load_section
+    from services.rollout.config import RolloutConfig
+
+    cfg = load_section(RolloutConfig, "rollout", ROOT / "examples/byo_agent/config.yaml")
+    assert cfg.harness.kind == "external"
+    assert cfg.harness.command[-1] == "examples/byo_agent/agent.py"
+    assert cfg.harness.timeout_s == 120.0
 
 
 def test_bad_reward_paths_and_values_are_clear_errors(tmp_path) -> None:

