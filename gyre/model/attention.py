@@ -1,4 +1,4 @@
-"""Attention over arbitrary (tree) masks, exact on CPU and CUDA, and the core-attention module of ours.
+"""Attention over arbitrary (tree) masks, exact on CPU and CUDA (pure torch; the Megatron module is gyre.model.megatron).
 
 Masks (True = the query may attend to the key):
 
@@ -288,54 +288,6 @@ def attend(
     if isinstance(mask, TreeLayout):
         return tree_attention(q, k, v, mask, backend)
     return _sdpa(q, k, v, mask.mask, False)
-
-
-def _megatron_module_base() -> type:
-    from gyre.model.build import _quiet_megatron_import
-
-    _quiet_megatron_import()
-    from megatron.core.transformer.module import MegatronModule
-
-    return MegatronModule
-
-
-class GyreCoreAttention(_megatron_module_base()):  # type: ignore[misc]
-    """Megatron core-attention module (drop-in for the local spec's DotProductAttention).
-
-    Megatron's own one asks CUDA for its buffers; this one runs on any device and takes our mask
-    objects (`TreeLayout`, `DenseMask`, None = causal) as `attention_mask`. Inputs follow Megatron:
-    query [Sq, B, H, d], key/value [Sk, B, Hkv, d]; output [Sq, B, H * d].
-    """
-
-    def __init__(
-        self,
-        config: Any,
-        layer_number: int,
-        attn_mask_type: Any,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection: Any = None,
-    ) -> None:
-        super().__init__(config=config)
-        self.layer_number = layer_number
-        self.backend = getattr(config, "gyre_attention_backend", "auto")
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Any,
-        attn_mask_type: Any = None,
-        attention_bias: Any = None,
-        packed_seq_params: Any = None,
-    ) -> torch.Tensor:
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = attend(q, k, v, attention_mask, self.backend)
-        sq, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 def pad_stack(seqs: Sequence[torch.Tensor], length: int) -> torch.Tensor:
