@@ -162,15 +162,21 @@ def output_weight(model: Any) -> torch.Tensor:
     return model.output_layer.weight  # type: ignore[no-any-return]
 
 
+def batch_layout(batch: PackedBatch) -> TreeLayout:
+    """The attention layout of a packed batch: built once per micro-batch and shared by the policy's
+    and the reference model's forward, so its flex block mask is built once (TreeLayout caches it)."""
+    return TreeLayout(batch.num_tokens, batch.node_offsets, batch.node_lengths, batch.node_parents)
+
+
 def batch_logprobs_and_entropy(
-    model: Any, batch: PackedBatch, chunk_tokens: int = 4096
+    model: Any, batch: PackedBatch, chunk_tokens: int = 4096, layout: TreeLayout | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(token_t | ancestors) [T] and the entropy (nats) of p(. | ancestors) [T] under `model`
     (both 0 at a tree's first token, which has no predecessor), fp32 (fp64 for an fp64 model).
 
     Computed `chunk_tokens` tokens at a time (services.trainer.chunked_softmax): never T x V logits
     at once, forward or backward; equal to the full log-softmax's values and gradients."""
-    layout = TreeLayout(batch.num_tokens, batch.node_offsets, batch.node_lengths, batch.node_parents)
+    layout = batch_layout(batch) if layout is None else layout
     hidden = hidden_states(model, batch.token_ids[None], batch.position_ids[None], layout)[0]
     pred = predecessor_index(layout).to(batch.token_ids.device)
     has = pred >= 0
@@ -181,9 +187,11 @@ def batch_logprobs_and_entropy(
     return torch.where(has, picked, zero), torch.where(has, entropy, zero)
 
 
-def batch_logprobs(model: Any, batch: PackedBatch, chunk_tokens: int = 4096) -> torch.Tensor:
+def batch_logprobs(
+    model: Any, batch: PackedBatch, chunk_tokens: int = 4096, layout: TreeLayout | None = None
+) -> torch.Tensor:
     """log p(token_t | ancestors) [T] for a packed batch under `model`."""
-    return batch_logprobs_and_entropy(model, batch, chunk_tokens)[0]
+    return batch_logprobs_and_entropy(model, batch, chunk_tokens, layout)[0]
 
 
 def tree_loss(
@@ -193,7 +201,8 @@ def tree_loss(
     if batch.num_tokens == 0:
         zero = sum(p.sum() * 0.0 for p in model.parameters())
         return zero, {"loss": 0.0, "num_tokens": 0.0, "num_trained_tokens": 0.0}
-    logprobs, entropy = batch_logprobs_and_entropy(model, batch, settings.chunk_tokens)
+    layout = batch_layout(batch)
+    logprobs, entropy = batch_logprobs_and_entropy(model, batch, settings.chunk_tokens, layout)
     per_token, ratio = clipped_token_losses(
         logprobs,
         batch.behaviour_logprobs,
@@ -218,7 +227,7 @@ def tree_loss(
     if settings.kl_coef and ref_model is not None:
         with torch.no_grad():
             # the reference may be held in a narrower dtype (bf16); its log-probs come back in fp32
-            ref = batch_logprobs(ref_model, batch, settings.chunk_tokens).to(logprobs.dtype)
+            ref = batch_logprobs(ref_model, batch, settings.chunk_tokens, layout).to(logprobs.dtype)
         kl = torch.where(mask, k3_kl(logprobs, ref), torch.zeros_like(logprobs))
         loss = loss + settings.kl_coef * (batch.kl_weight * kl).sum()
         metrics["kl_mean"] = float(kl.sum()) / max(n_train, 1)
