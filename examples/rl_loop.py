@@ -3,8 +3,9 @@
     rollout:    longhorizon env + the rollout agent loop (context policy, sampling seeds)
                 driving the torch engine (KV cache, continuous batching)
     trajectory: task trees, scoring + credit assignment + dedup (`score_group`), tree packing (`pack`)
-    trainer:    `from_chunks` -> `train_on_shard` (clip-higher PPO tree loss over batch-normalised
-                advantages + entropy bonus, AdamW)
+    trainer:    `from_chunks` -> `train_batch` (services/trainer/step.py, the trainer's own step
+                functions: clip-higher PPO tree loss over batch-normalised advantages + entropy
+                bonus, micro-batches, AdamW)
     weights:    `save_weights` -> engine `load_weights` (a new version every optimizer step)
 
 The distributed run (`gyre run examples/quickstart.yaml`) does the same with every part its own
@@ -44,7 +45,7 @@ from services.rollout.environments.longhorizon import LongHorizonFamily, LongHor
 from services.rollout.steps import MemoryStepSink
 from services.trainer.batch import from_chunks
 from services.trainer.config import TrainerConfig
-from services.trainer.loop import build_replica, train_on_shard
+from services.trainer.step import build_replica, train_batch
 from services.trajectory.grouping import GroupResult, score_group
 from services.trajectory.packing import pack
 from services.trajectory.scoring import Ending, Outcome, ProgressScorer, ProgressSignals
@@ -140,8 +141,8 @@ async def run_learning(
                 trees = build_trees(tasks, sink)
                 groups = score_groups(tasks, trees, sink, it, s)
                 batch = from_chunks(pack(trees, [g.group for g in groups]).chunks)
-                metrics = train_on_shard(
-                    model, optimizer, batch, loss_settings, ref_model, cfg.grad_clip, lambda m: None
+                metrics = train_batch(
+                    model, optimizer, batch, loss_settings, ref_model, cfg.grad_clip, cfg.micro_batch_tokens
                 )
                 await publish_weights(model, engine, out_dir, version=it + 1)
                 reports.append(iteration_report(it, outcomes, sink, groups, metrics))

@@ -36,11 +36,11 @@ from gyre.model.config import ModelConfig
 
 _LAZY = {
     "build_model": "gyre.model.build",
-    "ensure_model_parallel": "gyre.model.build",
+    "ensure_model_parallel": "gyre.model.megatron",
     "model_config_of": "gyre.model.build",
     "TreeLayout": "gyre.model.attention",
     "DenseMask": "gyre.model.attention",
-    "GyreCoreAttention": "gyre.model.attention",
+    "GyreCoreAttention": "gyre.model.megatron",
     "tree_logits": "gyre.model.forward",
     "tree_logprobs": "gyre.model.forward",
     "causal_logits": "gyre.model.forward",

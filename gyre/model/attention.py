@@ -1,4 +1,4 @@
-"""Attention over arbitrary (tree) masks, exact on CPU and CUDA, and the core-attention module of ours.
+"""Attention over arbitrary (tree) masks, exact on CPU and CUDA (pure torch; the Megatron module is gyre.model.megatron).
 
 Masks (True = the query may attend to the key):
 
@@ -10,7 +10,8 @@ Masks (True = the query may attend to the key):
       one SDPA call per group of nodes with the same chain shape (a root alone: causal); the work is
       sum over tokens of (visible keys), i.e. never more than training the paths separately.
     * ``flex``: `torch.nn.attention.flex_attention` with a block mask built from the node ancestry
-      (compiled; the fast path on CUDA, skipping fully masked blocks).
+      (compiled; the fast path on CUDA, skipping fully masked blocks). The mask is built once per
+      layout (`TreeLayout.flex_block_mask`), i.e. once per micro-batch, and shared by every layer.
 - `DenseMask` — any boolean mask [B or 1, 1, Sq, Sk] (padding + causal, KV-cache decode).
 - ``None`` — plain causal attention (Sq == Sk).
 
@@ -56,6 +57,7 @@ class TreeLayout:
     _chains: list[list[int]] = field(default_factory=list, repr=False)
     _masks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, repr=False)
     _node_groups: list[_NodeGroup] | None = field(default=None, repr=False)
+    _block_masks: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.node_offsets = [int(x) for x in self.node_offsets]
@@ -150,6 +152,24 @@ class TreeLayout:
             mask = torch.zeros(n, k, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
             self._masks[key] = mask[None, None]
         return self._masks[key]
+
+    def flex_block_mask(self, device: torch.device) -> Any:
+        """The flex-attention `BlockMask` of this layout on `device`, built on the first call and
+        cached: a micro-batch builds one layout and every layer's attention reuses its mask (building
+        it walks the whole T x T block grid, so building it per layer call cost num_layers times)."""
+        key = str(device)
+        if key not in self._block_masks:
+            from torch.nn.attention import flex_attention as flex
+
+            node = self.node_of_token(device)
+            anc = self.ancestor_matrix(device)
+
+            def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+                return anc[node[qi], node[ki]] & (ki <= qi)
+
+            t = self.num_tokens
+            self._block_masks[key] = flex.create_block_mask(mask_mod, None, None, t, t, device=device)
+        return self._block_masks[key]
 
     def visible_keys(self, node: int) -> torch.Tensor:
         """[K] long: token indices node `node` may see (ancestors' tokens, then its own), ascending."""
@@ -260,17 +280,10 @@ def _node_blocked_attention(
 def _flex_tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeLayout
 ) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     global _flex_compiled
-    node = layout.node_of_token(q.device)
-    anc = layout.ancestor_matrix(q.device)
-
-    def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
-        return anc[node[qi], node[ki]] & (ki <= qi)
-
-    t = layout.num_tokens
-    block_mask = create_block_mask(mask_mod, None, None, t, t, device=q.device)
+    block_mask = layout.flex_block_mask(q.device)
     fn = flex_attention
     if q.device.type == "cuda":
         if _flex_compiled is None:
@@ -288,54 +301,6 @@ def attend(
     if isinstance(mask, TreeLayout):
         return tree_attention(q, k, v, mask, backend)
     return _sdpa(q, k, v, mask.mask, False)
-
-
-def _megatron_module_base() -> type:
-    from gyre.model.build import _quiet_megatron_import
-
-    _quiet_megatron_import()
-    from megatron.core.transformer.module import MegatronModule
-
-    return MegatronModule
-
-
-class GyreCoreAttention(_megatron_module_base()):  # type: ignore[misc]
-    """Megatron core-attention module (drop-in for the local spec's DotProductAttention).
-
-    Megatron's own one asks CUDA for its buffers; this one runs on any device and takes our mask
-    objects (`TreeLayout`, `DenseMask`, None = causal) as `attention_mask`. Inputs follow Megatron:
-    query [Sq, B, H, d], key/value [Sk, B, Hkv, d]; output [Sq, B, H * d].
-    """
-
-    def __init__(
-        self,
-        config: Any,
-        layer_number: int,
-        attn_mask_type: Any,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection: Any = None,
-    ) -> None:
-        super().__init__(config=config)
-        self.layer_number = layer_number
-        self.backend = getattr(config, "gyre_attention_backend", "auto")
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Any,
-        attn_mask_type: Any = None,
-        attention_bias: Any = None,
-        packed_seq_params: Any = None,
-    ) -> torch.Tensor:
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = attend(q, k, v, attention_mask, self.backend)
-        sq, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 def pad_stack(seqs: Sequence[torch.Tensor], length: int) -> torch.Tensor:

@@ -112,6 +112,13 @@ class TrainerConfig(ConfigModel):
         description="Token budget of a micro-batch (whole trees): gradients accumulate over a step's "
         "micro-batches, and the data-parallel group grows or shrinks between two of them.",
     )
+    loss_chunk_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="Tokens whose logits the loss holds at once: log-prob and entropy are computed this many "
+        "tokens at a time (recomputed in backward), so the loss needs chunk x vocab floats, never "
+        "tokens x vocab; the result equals the full computation (services/trainer/chunked_softmax.py).",
+    )
     dtype: str = Field(
         default="float32", pattern=r"^(float32|bfloat16|float64)$", description="Parameter dtype."
     )

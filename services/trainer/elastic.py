@@ -166,22 +166,6 @@ def make_process_group(store: Any, generation: int, rank: int, size: int, backen
     return dist.ProcessGroupGloo(prefixed, rank, size, options)
 
 
-def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Step metrics from shard metrics (every rank, every micro-batch): sums add up, ratio-like
-    means are token-weighted, everything else (grad_norm: equal on every rank) is the first's."""
-    out: dict[str, float] = {}
-    for part in reversed(parts):  # the first part that has a key wins (rank 0's, if it has it)
-        out.update(part)
-    for key in ("loss", "num_tokens", "num_trained_tokens"):
-        out[key] = sum(p.get(key, 0.0) for p in parts)
-    total = out["num_trained_tokens"]
-    for key in ("ratio_mean", "clip_fraction", "kl_mean", "kl_behaviour", "entropy"):
-        have = [p for p in parts if key in p]
-        if have and total:
-            out[key] = sum(p[key] * p["num_trained_tokens"] for p in have) / total
-    return out
-
-
 # --- the group, seen from rank 0 ---------------------------------------------------------------
 
 
@@ -429,7 +413,7 @@ def worker_main(conn: Connection, store_host: str, store_port: int, spec: Replic
     """Build a replica, then serve rank 0's commands until told to leave or the pipe closes."""
     try:
         from services.trainer.config import TrainerConfig
-        from services.trainer.loop import backward_micro, build_replica, finish_step, shard_loss_settings
+        from services.trainer.step import backward_micro, build_replica, finish_step, shard_loss_settings
 
         cfg = TrainerConfig.model_validate_json(spec.trainer_config_json)
         if spec.device.startswith("cuda"):

@@ -33,91 +33,35 @@ checkpoint.py).
 from __future__ import annotations
 
 import asyncio
-import copy
-import dataclasses
 import functools
 import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from gyre.errors import InvalidArgument
-from gyre.model import build_model, save_weights
+from gyre.model import save_weights
 from gyre.pacing import Pacer
 from gyre.v1 import common_pb2
 from services.trainer.batch import PackedBatch
 from services.trainer.checkpoint import CheckpointStore, Journal, TrainState
 from services.trainer.config import TrainerConfig
 from services.trainer.data import BatchSource, PartSource
-from services.trainer.elastic import ElasticGroup, ReplicaSpec, combine_metrics
-from services.trainer.loss import LossSettings, normalise_advantages, tree_loss
+from services.trainer.elastic import ElasticGroup, ReplicaSpec
+from services.trainer.step import (
+    DTYPES,
+    backward_micro,
+    begin_step,
+    build_replica,
+    combine_metrics,
+    finish_step,
+    shard_loss_settings,
+    step_batch,
+)
 
 WeightsSink = Callable[[common_pb2.WeightVersion, dict[str, float]], Awaitable[None]]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def build_replica(
-    cfg: TrainerConfig, device: str | torch.device = "cpu", seed: int = 0
-) -> tuple[Any, torch.optim.Optimizer, Any | None, LossSettings]:
-    """Model, optimizer, reference model (with KL) and loss settings of one replica."""
-    model = build_model(cfg.model, device=device, dtype=DTYPES[cfg.dtype], seed=seed)
-    if cfg.init_weights:  # an HF checkpoint directory or a Gyre safetensors file
-        from gyre.model.hf import load_initial_weights
-
-        load_initial_weights(model, cfg.init_weights)
-    ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return model, optimizer, ref_model, LossSettings.from_config(cfg)
-
-
-def shard_loss_settings(settings: LossSettings) -> LossSettings:
-    """The loss settings of a micro-batch shard inside the trainer: batch advantage normalisation is
-    done once per step before the step is cut (Trainer.train_step), never per shard."""
-    return dataclasses.replace(settings, normalise_advantages=False)
-
-
-def train_on_shard(
-    model: Any,
-    optimizer: torch.optim.Optimizer,
-    shard: PackedBatch,
-    settings: LossSettings,
-    ref_model: Any | None,
-    grad_clip: float,
-    reduce_gradients: Callable[[Any], None],
-) -> dict[str, float]:
-    """One rank's part of a step: shard loss -> backward -> gradients summed over ranks -> clip -> step."""
-    model.train()
-    loss, metrics = tree_loss(model, shard, settings, ref_model)
-    optimizer.zero_grad(set_to_none=False)
-    loss.backward()
-    reduce_gradients(model)
-    if grad_clip:
-        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
-    optimizer.step()
-    return metrics
-
-
-def backward_micro(
-    model: Any, shard: PackedBatch, settings: LossSettings, ref_model: Any | None
-) -> dict[str, float]:
-    """Backpropagate one micro-batch shard's loss, adding to the gradients already there.
-    An empty shard adds nothing (its rank still takes part in the all-reduce)."""
-    if shard.num_tokens == 0:
-        return {"loss": 0.0, "num_tokens": 0.0, "num_trained_tokens": 0.0}
-    model.train()
-    loss, metrics = tree_loss(model, shard, settings, ref_model)
-    loss.backward()
-    return metrics
-
-
-def finish_step(model: Any, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
-    """Clip the accumulated gradient and take the optimizer step; returns the pre-clip norm (0: no clip)."""
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)) if grad_clip else 0.0
-    optimizer.step()
-    return norm
 
 
 class StepAbandoned(Exception):
@@ -301,7 +245,7 @@ class Trainer:
         it trains — micro-batch by micro-batch, resizing at each boundary."""
         start = time.perf_counter()
         self.step_in_progress = True
-        self.optimizer.zero_grad(set_to_none=False)
+        begin_step(self.optimizer)
         shard_metrics: list[dict[str, float]] = []
         sizes: list[int] = []
         step: list[PackedBatch] = []  # the step's parts (one without streaming)
@@ -318,8 +262,7 @@ class Trainer:
                     pending = asyncio.create_task(self.next_part(sum(p.num_tokens for p in step)))
                 grad_factor, weight_factor = norm.add(part)
                 if self.normalise_step:  # one RMS for the whole step, before it is cut
-                    part, rms = normalise_advantages(part.to("cpu", DTYPES[self.cfg.dtype]))
-                    step_rms = rms
+                    part, step_rms = step_batch(part.to("cpu", DTYPES[self.cfg.dtype]), True)
                 micro_batches = part.micro_batches(self.cfg.micro_batch_tokens)
                 self.micro_left = len(micro_batches)
                 for micro in micro_batches:

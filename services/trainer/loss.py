@@ -54,9 +54,11 @@ from typing import Any
 
 import torch
 
+from gyre.errors import InvalidArgument
 from gyre.model.attention import TreeLayout
-from gyre.model.forward import hidden_states, logits_from_hidden, predecessor_index
+from gyre.model.forward import hidden_states, predecessor_index
 from services.trainer.batch import PackedBatch
+from services.trainer.chunked_softmax import chunked_logprob_entropy
 
 ADVANTAGE_RMS_FLOOR = 1e-6
 """Score units: a batch whose advantages' RMS is below this is not rescaled (its policy-gradient term is ~0)."""
@@ -72,6 +74,7 @@ class LossSettings:
     entropy_coef: float = 0.0
     entropy_target: float | None = None  # nats; the bonus counts min(H_t, target); None = H_t
     normalise_advantages: bool = False  # divide the policy-gradient term by the advantages' RMS
+    chunk_tokens: int = 4096  # tokens whose logits exist at once (chunked_softmax); the loss holds chunk x V
 
     @property
     def eps_high(self) -> float:
@@ -80,7 +83,7 @@ class LossSettings:
     @classmethod
     def from_config(cls, cfg: Any) -> LossSettings:
         """The settings a TrainerConfig names (clip_eps, clip_eps_high, kl_coef, entropy_coef,
-        entropy_target, normalise_batch_advantages)."""
+        entropy_target, normalise_batch_advantages, loss_chunk_tokens)."""
         return cls(
             clip_eps=cfg.clip_eps,
             clip_eps_high=cfg.clip_eps_high,
@@ -88,6 +91,7 @@ class LossSettings:
             entropy_coef=cfg.entropy_coef,
             entropy_target=cfg.entropy_target,
             normalise_advantages=cfg.normalise_batch_advantages,
+            chunk_tokens=cfg.loss_chunk_tokens,
         )
 
 
@@ -148,26 +152,46 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
-def batch_logprobs_and_entropy(model: Any, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def output_weight(model: Any) -> torch.Tensor:
+    """The output layer's weight [V, hidden] (the embedding's when they are tied); logits = h @ W^T."""
+    if model.share_embeddings_and_output_weights:
+        weight: torch.Tensor = model.shared_embedding_or_output_weight()
+        return weight
+    if getattr(model.output_layer, "bias", None) is not None:
+        raise InvalidArgument("the chunked loss assumes an output layer without bias")
+    return model.output_layer.weight  # type: ignore[no-any-return]
+
+
+def batch_layout(batch: PackedBatch) -> TreeLayout:
+    """The attention layout of a packed batch: built once per micro-batch and shared by the policy's
+    and the reference model's forward, so its flex block mask is built once (TreeLayout caches it)."""
+    return TreeLayout(batch.num_tokens, batch.node_offsets, batch.node_lengths, batch.node_parents)
+
+
+def batch_logprobs_and_entropy(
+    model: Any, batch: PackedBatch, chunk_tokens: int = 4096, layout: TreeLayout | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(token_t | ancestors) [T] and the entropy (nats) of p(. | ancestors) [T] under `model`
-    (both 0 at a tree's first token, which has no predecessor)."""
-    layout = TreeLayout(batch.num_tokens, batch.node_offsets, batch.node_lengths, batch.node_parents)
+    (both 0 at a tree's first token, which has no predecessor), fp32 (fp64 for an fp64 model).
+
+    Computed `chunk_tokens` tokens at a time (services.trainer.chunked_softmax): never T x V logits
+    at once, forward or backward; equal to the full log-softmax's values and gradients."""
+    layout = batch_layout(batch) if layout is None else layout
     hidden = hidden_states(model, batch.token_ids[None], batch.position_ids[None], layout)[0]
     pred = predecessor_index(layout).to(batch.token_ids.device)
     has = pred >= 0
-    logits = logits_from_hidden(model, hidden[pred.clamp(min=0)])
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    lp = torch.log_softmax(logits, dim=-1)
-    picked = lp.gather(-1, batch.token_ids[:, None].long())[:, 0]
-    entropy = -(lp.exp() * lp).sum(-1)
+    picked, entropy = chunked_logprob_entropy(
+        hidden[pred.clamp(min=0)], output_weight(model), batch.token_ids, chunk_tokens
+    )
     zero = torch.zeros_like(picked)
     return torch.where(has, picked, zero), torch.where(has, entropy, zero)
 
 
-def batch_logprobs(model: Any, batch: PackedBatch) -> torch.Tensor:
+def batch_logprobs(
+    model: Any, batch: PackedBatch, chunk_tokens: int = 4096, layout: TreeLayout | None = None
+) -> torch.Tensor:
     """log p(token_t | ancestors) [T] for a packed batch under `model`."""
-    return batch_logprobs_and_entropy(model, batch)[0]
+    return batch_logprobs_and_entropy(model, batch, chunk_tokens, layout)[0]
 
 
 def tree_loss(
@@ -177,7 +201,8 @@ def tree_loss(
     if batch.num_tokens == 0:
         zero = sum(p.sum() * 0.0 for p in model.parameters())
         return zero, {"loss": 0.0, "num_tokens": 0.0, "num_trained_tokens": 0.0}
-    logprobs, entropy = batch_logprobs_and_entropy(model, batch)
+    layout = batch_layout(batch)
+    logprobs, entropy = batch_logprobs_and_entropy(model, batch, settings.chunk_tokens, layout)
     per_token, ratio = clipped_token_losses(
         logprobs,
         batch.behaviour_logprobs,
@@ -201,7 +226,8 @@ def tree_loss(
             loss = loss / rms
     if settings.kl_coef and ref_model is not None:
         with torch.no_grad():
-            ref = batch_logprobs(ref_model, batch)
+            # the reference may be held in a narrower dtype (bf16); its log-probs come back in fp32
+            ref = batch_logprobs(ref_model, batch, settings.chunk_tokens, layout).to(logprobs.dtype)
         kl = torch.where(mask, k3_kl(logprobs, ref), torch.zeros_like(logprobs))
         loss = loss + settings.kl_coef * (batch.kl_weight * kl).sum()
         metrics["kl_mean"] = float(kl.sum()) / max(n_train, 1)

@@ -200,3 +200,39 @@ def test_models_built_at_once_in_threads_with_one_seed_equal_the_one_built_alone
             if torch.is_tensor(value) and value.is_floating_point():
                 assert torch.equal(value, alone[name]), name
     assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is left as it was
+
+
+def test_flex_block_mask_is_built_once_per_micro_batch_and_logits_are_unchanged(model64, monkeypatch):
+    """Counts torch's create_block_mask calls (a pass-through spy on torch, not on our code): one
+    per layout however many layers attend, and a new layout (the next micro-batch) builds its own."""
+    from torch.nn.attention import flex_attention as flex
+
+    from gyre.model.attention import TreeLayout
+    from gyre.model.forward import hidden_states, logits_from_hidden
+
+    calls: list[int] = []
+    real = flex.create_block_mask
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flex, "create_block_mask", counting)
+    rng = random.Random(5)
+    tree = random_tree(rng, num_nodes=6, max_len=4)
+    tokens = torch.tensor([rng.randrange(512) for _ in range(tree.num_tokens)])
+    pos = torch.tensor(tree.position_ids)
+    arrays = (tree.node_offsets, tree.node_lengths, tree.node_parents)
+    assert len(model64.decoder.layers) >= 2
+    with torch.no_grad():
+        _set_backend(model64, "dense")
+        dense = tree_logits(model64, tokens, pos, *arrays)
+        assert calls == []
+        _set_backend(model64, "flex")
+        for micro in range(2):  # two micro-batches: a layout each, one mask each
+            layout = TreeLayout(tree.num_tokens, *arrays)
+            hidden = hidden_states(model64, tokens[None], pos[None], layout)
+            hidden_states(model64, tokens[None], pos[None], layout)  # the same micro-batch again
+            assert len(calls) == micro + 1
+            torch.testing.assert_close(logits_from_hidden(model64, hidden[0]), dense, rtol=1e-8, atol=1e-8)
+    _set_backend(model64, "auto")

@@ -21,8 +21,8 @@ import torch
 
 from services.trainer.batch import PackedBatch
 from services.trainer.config import TrainerConfig
-from services.trainer.elastic import combine_metrics
 from services.trainer.loop import Trainer
+from services.trainer.step import combine_metrics
 from tests.trainer.helpers import random_batch
 
 NUM_STEPS = 2
