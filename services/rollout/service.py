@@ -231,7 +231,7 @@ class RolloutService(Service):
         else:
             await self._join_scheduler(rt)
         if cfg.openai_port is not None:
-            from .openai_api import OpenAIEndpoint, create_app, endpoint_keys, serve
+            from .openai import OpenAIEndpoint, create_app, endpoint_keys, serve
 
             key_dir = self.common.run_dir / "rollout" / cfg.worker_id
             api_key, admin_key = endpoint_keys(

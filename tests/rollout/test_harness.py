@@ -25,7 +25,7 @@ from services.rollout.harness import (
     OpenAIExecutions,
     load_reward,
 )
-from services.rollout.openai_api import OpenAIEndpoint, create_app, serve
+from services.rollout.openai import OpenAIEndpoint, create_app, serve
 from services.rollout.router import Router
 from services.rollout.steps import BusStepSink
 
