@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from gyre.config import ConfigModel
 from gyre.model import ModelConfig
+from gyre.tokenizers import TOKENIZER_FIELD_DESCRIPTION, vocabulary_problem
 
 
 class RolloutConfig(ConfigModel):
@@ -46,6 +47,7 @@ class RolloutConfig(ConfigModel):
         default_factory=lambda: ModelConfig.model_validate({}),
         description="Model architecture (must match the trainer's).",
     )
+    tokenizer: str = Field("byte", description=TOKENIZER_FIELD_DESCRIPTION)
     init_seed: int | None = Field(
         None,
         ge=0,
@@ -229,8 +231,15 @@ class RolloutConfig(ConfigModel):
                 )
             if self.harness_tasks is not None and self.harness_reward is None:
                 raise ValueError("harness_tasks have no tests to score them: set harness_reward")
-        if self.model.vocab_size < 267:
-            raise ValueError("model.vocab_size must hold the byte tokenizer (>= 267; default 512)")
+        if self.tokenizer != "byte" and self.harness == "builtin" and self.num_tasks:
+            raise ValueError(
+                "the built-in agent and environments speak the byte chat template: with tokenizer "
+                f"{self.tokenizer!r} run the agent as harness 'external' against the OpenAI endpoint, "
+                "or set num_tasks: 0 and drive the endpoint yourself"
+            )
+        problem = vocabulary_problem(self.tokenizer, self.model.vocab_size, "rollout.model.vocab_size")
+        if problem:
+            raise ValueError(problem)
         return self
 
     def device_ids(self) -> list[str]:
