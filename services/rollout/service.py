@@ -237,8 +237,11 @@ class RolloutService(Service):
             api_key, admin_key = endpoint_keys(
                 cfg.openai_api_key, cfg.openai_admin_key, key_dir, require_api_key=cfg.openai_auth
             )
+            from gyre.tokenizers import load_tokenizer
+
             endpoint = OpenAIEndpoint(
-                self.router, self.sink, run_id=run_id, seed=self.common.seed, api_key=api_key,
+                self.router, self.sink, run_id=run_id, tokenizer=load_tokenizer(cfg.tokenizer),
+                vocab_size=cfg.model.vocab_size, seed=self.common.seed, api_key=api_key,
                 admin_key=admin_key, max_prompt_tokens=cfg.model.max_position_embeddings,
                 max_request_bytes=cfg.openai_max_request_bytes, execution_idle_s=cfg.openai_execution_idle_s,
             )  # fmt: skip

@@ -232,7 +232,6 @@ async def test_the_endpoint_refuses_calls_without_the_key_and_admin_routes_witho
         ("/v1/chat/completions", chat_body(temperature=[1]), "temperature"),
         ("/v1/chat/completions", chat_body(temperature=1e-300), "temperature"),  # NaN log-probs in float32
         ("/v1/completions", {"prompt": "hi", "top_p": 1e-300}, "top_p"),
-        ("/v1/chat/completions", chat_body(stream=True), "stream"),
         ("/v1/chat/completions", chat_body(metadata={"execution_id": 5}), "metadata"),
         ("/v1/completions", {"prompt": [True, False], "max_tokens": 2}, "prompt"),
         ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),

@@ -1,7 +1,7 @@
 """Who may call the OpenAI-compatible endpoint, and which execution each call belongs to.
 
 Credentials (checked before a body is read): `Authorization: Bearer <key>`. The run's API key
-(`rollout.openai.api_key`) may call the model routes; the admin key (`rollout.openai.admin_key`)
+(`rollout.openai_api_key`) may call the model routes; the admin key (`rollout.openai_admin_key`)
 may call everything, and only it the admin routes. A per-execution key (issued by the server) may
 call the model routes of its own execution only. No or wrong key -> 401; a key without the right
 -> 403. With no API key configured the model routes are open. A per-execution base URL

@@ -11,15 +11,25 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 
-from gyre import tokenizer as tok
 from gyre.errors import InvalidArgument
 
 from .auth import Caller, issue_execution_endpoint
 from .endpoint import OpenAIEndpoint
-from .responses import chat_messages, envelope, extras, finish, num_chars
-from .schema import ChatRequest, CompletionRequest, EndRequest, IssueRequest, forbidden
+from .responses import (
+    chat_choice,
+    chat_logprobs,
+    chat_messages,
+    completion_logprobs,
+    envelope,
+    extras,
+    finish,
+    num_chars,
+    tool_specs,
+)
+from .schema import ChatRequest, CompletionRequest, EndRequest, IssueRequest, forbidden, refuse_unsupported
+from .streaming import chat_events, completion_events, sse
 
 
 def _endpoint(request: Request) -> OpenAIEndpoint:
@@ -42,72 +52,80 @@ async def list_models(endpoint: EndpointDep, caller: CallerDep) -> dict[str, Any
     return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model", "owned_by": "gyre"}]}
 
 
-@model_routes.post("/v1/completions")
-async def completions(request: Request, endpoint: EndpointDep, caller: CallerDep) -> dict[str, Any]:
+@model_routes.post("/v1/completions", response_model=None)
+async def completions(
+    request: Request, endpoint: EndpointDep, caller: CallerDep
+) -> dict[str, Any] | Response:
     body = await endpoint.parse(request, CompletionRequest)
+    refuse_unsupported(body)
+    tokenizer = endpoint.tokenizer
     if isinstance(body.prompt, str):
         endpoint.check_prompt_chars(len(body.prompt))
-        prompt = await asyncio.to_thread(tok.encode, body.prompt)
+        prompt = await asyncio.to_thread(tokenizer.encode, body.prompt)
     elif body.prompt and isinstance(body.prompt[0], list):
         prompt = list(body.prompt[0])
     else:
         prompt = [t for t in body.prompt if isinstance(t, int)]
     endpoint.check_prompt_ids(prompt)
     state = await endpoint.execution(request, caller, body)
-    c = await endpoint.call(state, prompt, endpoint.sampling(body, state))
-    choice: dict[str, Any] = {"index": 0, "text": tok.decode(c.token_ids), "finish_reason": finish(c)}
-    if body.logprobs is not None and body.logprobs is not False:
-        choice["logprobs"] = {
-            "tokens": [tok.decode([t], skip_special=False) for t in c.token_ids],
-            "token_logprobs": c.logprobs,
-            "top_logprobs": None,
-            "text_offset": None,
-        }
-    choice.update(extras(prompt, c))
-    response_id = f"cmpl-{state.spec.execution_id}-{state.calls - 1}"
-    return envelope(response_id, "text_completion", endpoint.model_name, choice, prompt, c)
+    first_seq = state.calls
+    samples = await endpoint.samples(state, prompt, body)
+    choices = []
+    for index, (c, stop_text) in enumerate(samples):
+        text = tokenizer.decode(c.token_ids) if stop_text is None else stop_text
+        choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish(c)}
+        if body.logprobs is not None and body.logprobs is not False:
+            choice["logprobs"] = completion_logprobs(c, tokenizer)
+        choices.append(choice | extras(prompt, c))
+    cs = [c for c, _ in samples]
+    response = envelope(
+        f"cmpl-{state.spec.execution_id}-{first_seq}",
+        "text_completion",
+        endpoint.model_name,
+        choices,
+        prompt,
+        cs,
+    )
+    return sse(completion_events(response, cs, tokenizer)) if body.stream else response
 
 
-@model_routes.post("/v1/chat/completions")
-async def chat_completions(request: Request, endpoint: EndpointDep, caller: CallerDep) -> dict[str, Any]:
+@model_routes.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    request: Request, endpoint: EndpointDep, caller: CallerDep
+) -> dict[str, Any] | Response:
     body = await endpoint.parse(request, ChatRequest)
+    refuse_unsupported(body)
+    tokenizer = endpoint.tokenizer
+    tools = tool_specs(body)
+    if tools and not tokenizer.supports_tools:
+        raise InvalidArgument(
+            f"unsupported request field 'tools': tokenizer {tokenizer.spec!r} has no tool-call parser"
+        )
     messages = chat_messages(body)
-    endpoint.check_prompt_chars(num_chars(messages))
-    prompt = await asyncio.to_thread(tok.apply_chat_template, messages)
+    endpoint.check_prompt_chars(num_chars(messages) + num_chars(tools))
+    prompt = await asyncio.to_thread(lambda: tokenizer.apply_chat_template(messages, tools=tools))
     endpoint.check_prompt_ids(prompt)
     state = await endpoint.execution(request, caller, body)
-    c = await endpoint.call(state, prompt, endpoint.sampling(body, state))
-    turn = tok.parse_assistant(c.token_ids)
-    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.reasoning:
-        message["reasoning_content"] = turn.reasoning
-    if turn.tool_calls:
-        message["tool_calls"] = [
-            {"id": f"{call.id}_{state.calls - 1}", "type": "function",
-             "function": {"name": call.name, "arguments": call.arguments}}
-            for call in turn.tool_calls
-        ]  # fmt: skip
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": message,
-        "finish_reason": finish(c, bool(turn.tool_calls)),
-    }
-    if body.logprobs:
-        choice["logprobs"] = {
-            "content": [
-                {
-                    "token": tok.decode([t], skip_special=False),
-                    "logprob": lp,
-                    "bytes": None,
-                    "top_logprobs": [],
-                }
-                for t, lp in zip(c.token_ids, c.logprobs, strict=True)
-            ]
-        }
-    choice.update(extras(prompt, c))
-    response_id = f"chatcmpl-{state.spec.execution_id}-{state.calls - 1}"
-    response = envelope(response_id, "chat.completion", endpoint.model_name, choice, prompt, c)
-    return {**response, **extras(prompt, c)}
+    first_seq = state.calls
+    samples = await endpoint.samples(state, prompt, body)
+    choices = []
+    for index, (c, stop_text) in enumerate(samples):
+        choice = chat_choice(index, c, stop_text, tokenizer, first_seq + index, parse_tools=tools is not None)
+        if body.logprobs:
+            choice["logprobs"] = chat_logprobs(c, tokenizer)
+        choices.append(choice | extras(prompt, c))
+    cs = [c for c, _ in samples]
+    response = envelope(
+        f"chatcmpl-{state.spec.execution_id}-{first_seq}",
+        "chat.completion",
+        endpoint.model_name,
+        choices,
+        prompt,
+        cs,
+    )
+    if body.stream:
+        return sse(chat_events(response, cs, tokenizer))
+    return {**response, **extras(prompt, cs[0])}  # the first sample's extras at top level, as before
 
 
 @model_routes.post("/gyre/end")
