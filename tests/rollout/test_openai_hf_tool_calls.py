@@ -63,7 +63,7 @@ RESULTS = ["sunny, 21 degrees", "rain, 14 degrees"]
 
 def _assistant_call_text() -> str:
     blocks = [
-        '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps(args))
+        f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
         for name, args in CALLS
     ]
     return f"<think>\n{REASONING}\n</think>\n\n" + "\n".join(blocks)
