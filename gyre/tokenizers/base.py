@@ -23,6 +23,8 @@ from typing import Any
 from gyre.errors import ConfigError
 from gyre.tokenizer import AssistantTurn
 
+from .framing import ChatFraming
+
 BYTE_SPEC = "byte"
 
 
@@ -57,6 +59,14 @@ class Tokenizer(abc.ABC):
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """Ids of an OpenAI-style conversation (and tool specs) under the model's chat template."""
+
+    @abc.abstractmethod
+    def message_ids(self, message: dict[str, Any]) -> list[int]:
+        """Ids of one message alone under the chat template (a piece of an agent's id history)."""
+
+    @abc.abstractmethod
+    def framing(self) -> ChatFraming:
+        """The ids around messages (prompt start, generation prompt, turn close, reasoning markers)."""
 
     @abc.abstractmethod
     def parse_assistant(self, ids: Sequence[int]) -> AssistantTurn:

@@ -13,6 +13,7 @@ from gyre import tokenizer as byte_tokens
 from gyre.tokenizer import AssistantTurn
 
 from .base import BYTE_SPEC, Tokenizer
+from .framing import ChatFraming
 
 
 def tools_message(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -51,6 +52,19 @@ class ByteTokenizer(Tokenizer):
     ) -> list[int]:
         rendered = [tools_message(tools), *messages] if tools else list(messages)
         return byte_tokens.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+
+    def message_ids(self, message: dict[str, Any]) -> list[int]:
+        return byte_tokens.message_ids(message)
+
+    def framing(self) -> ChatFraming:
+        return ChatFraming(
+            begin_ids=(byte_tokens.BOS,),
+            generation_prompt_ids=(byte_tokens.ASSISTANT,),
+            close_after_stop_ids=(),
+            close_ids=(byte_tokens.EOS,),
+            think_open=byte_tokens.THINK_OPEN,
+            think_close=byte_tokens.THINK_CLOSE,
+        )
 
     def parse_assistant(self, ids: Sequence[int]) -> AssistantTurn:
         return byte_tokens.parse_assistant(ids)

@@ -21,6 +21,7 @@ from gyre.errors import ConfigError
 from gyre.tokenizer import AssistantTurn
 
 from .base import Tokenizer
+from .framing import ChatFraming
 from .tool_parsers import parse_plain, tool_parser_for
 
 
@@ -91,6 +92,41 @@ class HFTokenizer(Tokenizer):
     ) -> list[int]:
         text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
         return self.encode(text)
+
+    def message_ids(self, message: dict[str, Any]) -> list[int]:
+        return self.encode(self.render_chat([message], add_generation_prompt=False))
+
+    def framing(self) -> ChatFraming:
+        """Read off the template by rendering probe conversations; ConfigError if it is not ChatML-like
+        (a generation prompt that does not extend the conversation, or a turn not closed after its content)."""
+        user, reply = {"role": "user", "content": "\x00u"}, {"role": "assistant", "content": "\x00a"}
+        alone = self.render_chat([user], add_generation_prompt=False)
+        prompted = self.render_chat([user])
+        answered = self.render_chat([user, reply], add_generation_prompt=False)
+        generation = prompted[len(alone) :]
+        turn = answered[len(alone) :]
+        if (
+            not prompted.startswith(alone)
+            or not answered.startswith(alone)
+            or not turn.startswith(generation + "\x00a")
+        ):
+            raise ConfigError(
+                f"tokenizer {self.spec!r}: its chat template cannot be framed message by message"
+            )
+        close = turn[len(generation) + 2 :]
+        eos = self.decode([self.stop_ids[0]], skip_special=False)
+        after_stop = close[len(eos) :] if close.startswith(eos) else close
+        think = [self._tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
+        unk = self._tok.unk_token_id
+        known = all(isinstance(t, int) and t != unk for t in think)
+        return ChatFraming(
+            begin_ids=(),
+            generation_prompt_ids=tuple(self.encode(generation)),
+            close_after_stop_ids=tuple(self.encode(after_stop)),
+            close_ids=tuple(self.encode(close)),
+            think_open=think[0] if known else None,
+            think_close=think[1] if known else None,
+        )
 
     def parse_assistant(self, ids: Sequence[int]) -> AssistantTurn:
         stops = set(self.stop_ids)

@@ -231,11 +231,9 @@ class RolloutConfig(ConfigModel):
                 )
             if self.harness_tasks is not None and self.harness_reward is None:
                 raise ValueError("harness_tasks have no tests to score them: set harness_reward")
-        if self.tokenizer != "byte" and self.harness == "builtin" and self.num_tasks:
+        if self.tokenizer != "byte" and self.environment == "workload":
             raise ValueError(
-                "the built-in agent and environments speak the byte chat template: with tokenizer "
-                f"{self.tokenizer!r} run the agent as harness 'external' against the OpenAI endpoint, "
-                "or set num_tasks: 0 and drive the endpoint yourself"
+                "environment 'workload' sizes its turns in byte-template tokens: use tokenizer 'byte' with it"
             )
         problem = vocabulary_problem(self.tokenizer, self.model.vocab_size, "rollout.model.vocab_size")
         if problem:

@@ -193,7 +193,11 @@ class RolloutService(Service):
         self.rt = rt
         self.sink = BusStepSink(rt.bus, max_buffer=cfg.step_buffer, vocab_size=cfg.model.vocab_size)
         rt.spawn(self.sink.run(), "step-publisher")
+        from gyre.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.tokenizer)
         agent_cfg = AgentConfig(
+            stop_token_ids=tokenizer.stop_ids,
             temperature=cfg.temperature,
             max_tokens=cfg.max_tokens,
             max_calls=cfg.max_calls,
@@ -203,7 +207,7 @@ class RolloutService(Service):
             keep_last_turns=cfg.keep_last_turns,
         )
         self.executions = ExecutionManager(
-            Agent(self.router, self.sink, agent_cfg),
+            Agent(self.router, self.sink, agent_cfg, tokenizer),
             make_family(cfg, self.common.seed, self.pacer),
             run_id=run_id,
             seed=self.common.seed,

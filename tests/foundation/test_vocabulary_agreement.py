@@ -48,9 +48,11 @@ def test_the_byte_tokenizer_needs_its_512_rows() -> None:
         RolloutConfig.model_validate({"model": {"vocab_size": 300}})
 
 
-def test_the_built_in_agent_is_refused_with_a_non_byte_tokenizer(ckpt: str) -> None:
-    with pytest.raises(ValidationError, match="byte chat template"):
-        RolloutConfig.model_validate({"tokenizer": ckpt, "model": {"vocab_size": 1088}, "num_tasks": 2})
+def test_the_workload_environment_is_refused_with_a_non_byte_tokenizer(ckpt: str) -> None:
+    with pytest.raises(ValidationError, match="byte-template tokens"):
+        RolloutConfig.model_validate(
+            {"tokenizer": ckpt, "model": {"vocab_size": 1088}, "environment": "workload"}
+        )
 
 
 def test_the_trajectory_process_does_not_start_on_a_mismatch(ckpt: str, tmp_path: Path) -> None:

@@ -128,3 +128,28 @@ def test_a_model_too_small_for_the_tokenizer_is_refused_naming_both_sizes(ckpt: 
         check_vocabulary(t, 512, "rollout.model.vocab_size")
     with pytest.raises(ConfigError, match="not 'byte'"):
         load_tokenizer(str(ckpt / "missing"))
+
+
+def test_the_agent_keeps_its_history_as_ids_under_the_checkpoints_own_template(ckpt: Path) -> None:
+    from services.rollout.agent import AgentConfig, Conversation
+
+    t = load_tokenizer(str(ckpt))
+    hf = transformers.AutoTokenizer.from_pretrained(str(ckpt), local_files_only=True)
+    opening = [{"role": "system", "content": "Pick an action."}, {"role": "user", "content": "cue: b"}]
+    conv = Conversation(AgentConfig(stop_token_ids=t.stop_ids), t)
+    conv.add_opening(opening)
+    first = conv.prompt()
+    reply = [*t.encode("action 2"), t.stop_ids[0]]  # ended by its stop id
+    conv.add_turn(reply, [{"role": "user", "content": "cue: c"}])
+    second = conv.prompt()
+    assert second[: len(first) + len(reply)] == first + reply  # the generated ids are never re-tokenised
+    messages = [*opening, {"role": "assistant", "content": "action 2"}, {"role": "user", "content": "cue: c"}]
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert second == hf.encode(text, add_special_tokens=False)  # and the prompt is the template's own
+    cut = t.encode("act")  # cut by max_tokens: the turn is closed for it
+    conv.add_turn(cut, [])
+    assert conv.prompt()[len(second) :] == [
+        *cut,
+        *t.encode("<|im_end|>\n"),
+        *t.encode("<|im_start|>assistant\n"),
+    ]
