@@ -116,16 +116,15 @@ class HFTokenizer(Tokenizer):
         close = turn[len(generation) + 2 :]
         eos = self.decode([self.stop_ids[0]], skip_special=False)
         after_stop = close[len(eos) :] if close.startswith(eos) else close
-        think = [self._tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
-        unk = self._tok.unk_token_id
-        known = all(isinstance(t, int) and t != unk for t in think)
+        found = [self._tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
+        think = [t if isinstance(t, int) and t != self._tok.unk_token_id else None for t in found]
         return ChatFraming(
             begin_ids=(),
             generation_prompt_ids=tuple(self.encode(generation)),
             close_after_stop_ids=tuple(self.encode(after_stop)),
             close_ids=tuple(self.encode(close)),
-            think_open=think[0] if known else None,
-            think_close=think[1] if known else None,
+            think_open=think[0] if think[1] is not None else None,
+            think_close=think[1] if think[0] is not None else None,
         )
 
     def parse_assistant(self, ids: Sequence[int]) -> AssistantTurn:
