@@ -28,8 +28,8 @@ run: $(STAMP) ## run the quickstart training job (embedded NATS and Postgres, CP
 run-byo: $(STAMP) ## train the example agent of examples/byo_agent (an unmodified openai-client agent)
 	$(BIN)/gyre run examples/byo_agent/config.yaml
 
-run-hf: $(STAMP) ## train a tiny HF Llama checkpoint (written if missing) with examples/hf_model.yaml
-	test -f checkpoints/tiny-llama/config.json || $(BIN)/python -m services.trainer.hf tiny checkpoints/tiny-llama
+run-hf: $(STAMP) ## train a tiny HF Qwen2 checkpoint with its own tokenizer (written if missing) with examples/hf_model.yaml
+	test -f checkpoints/tiny-qwen2/tokenizer.json || $(BIN)/python -m services.trainer.hf tiny-qwen2 checkpoints/tiny-qwen2
 	$(BIN)/gyre run examples/hf_model.yaml
 
 test: $(STAMP) lint typecheck ## lint, type-check and run every test

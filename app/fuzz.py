@@ -194,7 +194,7 @@ class HttpStack:
         from gyre.bus import Bus
         from gyre.model import ModelConfig
         from services.rollout.engines.torch_engine import TorchEngine
-        from services.rollout.openai_api import OpenAIEndpoint, create_app, serve
+        from services.rollout.openai import OpenAIEndpoint, create_app, serve
         from services.rollout.router import Router
         from services.rollout.steps import BusStepSink
         from services.rollout.weights import WeightSwapper

@@ -253,7 +253,8 @@ class Deployment:
 
     def _trust_wiring(self, name: str, env: Mapping[str, str], given: Mapping[str, Any]) -> dict[str, str]:
         """What the trajectory service must know to check its inputs: the trainer's worker_id (the
-        only consumer allowed to take batches) and the model's vocabulary, unless set already."""
+        only consumer allowed to take batches), the model's vocabulary and the run's tokenizer, unless
+        set already."""
         if name != "trajectory":
             return {}
         trainer_model = service_config_model("trainer")
@@ -262,9 +263,11 @@ class Deployment:
         trainer = load_section(trainer_model, "trainer", data=self._raw)
         worker_id = getattr(trainer, "worker_id", None)
         vocab_size = getattr(getattr(trainer, "model", None), "vocab_size", None)
+        tokenizer = getattr(trainer, "tokenizer", None)
         wiring = {
             **({"GYRE_TRAJECTORY__TRAINER_WORKERS": json.dumps([worker_id])} if worker_id else {}),
             **({"GYRE_TRAJECTORY__VOCAB_SIZE": str(vocab_size)} if vocab_size else {}),
+            **({"GYRE_TRAJECTORY__TOKENIZER": str(tokenizer)} if tokenizer else {}),
         }
         return {
             key: value

@@ -6,13 +6,15 @@
           -> append the assistant turn (its exact tokens) and the env's reply to the history
     until done (FINISHED, final reward) | truncated or out of calls/context (TRUNCATED) | crash (FAILED)
 
-History is kept as token ids per message, so the next prompt contains the model's completion
+History is kept as token ids per message (the run's tokenizer frames each one under its chat
+template: `Tokenizer.message_ids`, `Tokenizer.framing`), so the next prompt contains the model's completion
 exactly as generated (no re-tokenisation). Context policies decide what the next prompt shows:
 
 - `none`: everything; each prompt extends the previous prompt + completion.
 - `compaction`: every `compact_every` calls, all turns but the last `keep_last_turns` are replaced
   by one summary message (the opening messages stay); the next prompt is not an extension.
-- `strip_reasoning`: earlier assistant turns are shown without their `<think>...</think>` span.
+- `strip_reasoning`: earlier assistant turns are shown without their `<think>...</think>` span
+  (the tokenizer's reasoning markers; a template without single-token markers strips nothing).
 
 A call whose prompt does not extend the previous prompt + completion carries `context_event` =
 the policy's name (informational: the trajectory service finds branches from the tokens).
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from gyre import tokenizer as tok
+from gyre.tokenizers import Tokenizer, load_tokenizer
 from gyre.v1 import events_pb2
 
 from .engines.base import Completion, GenerationRequest, Sampling
@@ -91,39 +94,32 @@ def call_seed(seed: int, execution_id: str, call_seq: int) -> int:
 
 
 def strip_reasoning(ids: list[int]) -> list[int]:
-    out, inside = [], False
-    for t in ids:
-        if t == tok.THINK_OPEN:
-            inside = True
-        elif t == tok.THINK_CLOSE:
-            inside = False
-        elif not inside:
-            out.append(t)
-    return out
+    """`ids` without their byte-template `<think>...</think>` spans."""
+    return load_tokenizer("byte").framing().strip_reasoning(ids)
 
 
 class Conversation:
     """Message token ids of one execution plus the context policy that turns them into prompts."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
+        self.tokenizer = tokenizer or load_tokenizer("byte")
+        self.framing = self.tokenizer.framing()
         self.entries: list[_Entry] = []
         self.num_turns = 0
         self.compacted_turns = 0
 
     def add_opening(self, messages: list[dict]) -> None:
         for m in messages:
-            ids = tok.message_ids(m)
+            ids = self.tokenizer.message_ids(m)
             self.entries.append(_Entry(ids, ids, opening=True))
 
     def add_turn(self, completion_ids: list[int], env_messages: list[dict]) -> None:
-        ids = [tok.ASSISTANT, *completion_ids]
-        if not completion_ids or completion_ids[-1] != tok.EOS:
-            ids.append(tok.EOS)
-        shown = strip_reasoning(ids) if self.config.context == "strip_reasoning" else ids
+        ids = self.framing.assistant_turn(completion_ids, self.config.stop_token_ids)
+        shown = self.framing.strip_reasoning(ids) if self.config.context == "strip_reasoning" else ids
         self.entries.append(_Entry(ids, shown))
         for m in env_messages:
-            mids = tok.message_ids(m)
+            mids = self.tokenizer.message_ids(m)
             self.entries.append(_Entry(mids, mids))
         self.num_turns += 1
 
@@ -134,7 +130,8 @@ class Conversation:
             return False
         opening = [e for e in self.entries if e.opening]
         rest = [e for e in self.entries if not e.opening]
-        starts = [i for i, e in enumerate(rest) if e.ids[:1] == [tok.ASSISTANT]]
+        head = list(self.framing.generation_prompt_ids)
+        starts = [i for i, e in enumerate(rest) if e.ids[: len(head)] == head]
         if len(starts) <= cfg.keep_last_turns:
             return False
         cut = starts[-cfg.keep_last_turns] if cfg.keep_last_turns else len(rest)
@@ -148,23 +145,26 @@ class Conversation:
                 else ""
             )
         )
-        sids = tok.message_ids({"role": "user", "content": summary})
+        sids = self.tokenizer.message_ids({"role": "user", "content": summary})
         self.entries = [*opening, _Entry(sids, sids, opening=True), *rest[cut:]]
         return True
 
     def prompt(self) -> list[int]:
-        ids = [tok.BOS]
+        ids = list(self.framing.begin_ids)
         for e in self.entries:
             ids += e.shown_ids
-        ids.append(tok.ASSISTANT)
-        return ids
+        return ids + list(self.framing.generation_prompt_ids)
 
 
 class Agent:
     """Runs executions: one environment, one conversation, calls through a Generator (the router)."""
 
-    def __init__(self, generator: Generator, sink: StepSink, config: AgentConfig) -> None:
+    def __init__(
+        self, generator: Generator, sink: StepSink, config: AgentConfig, tokenizer: Tokenizer | None = None
+    ) -> None:
+        """`tokenizer`: the run's (default: byte); `config.stop_token_ids` should be its stop ids."""
         self.generator, self.sink, self.config = generator, sink, config
+        self.tokenizer = tokenizer or load_tokenizer("byte")
 
     def _execution_event(
         self,
@@ -197,7 +197,7 @@ class Agent:
         cfg = self.config
         E = events_pb2.ExecutionEvent
         await self.sink.publish_execution(self._execution_event(spec, E.KIND_STARTED, env.progress, 0))
-        conv = Conversation(cfg)
+        conv = Conversation(cfg, self.tokenizer)
         out = ExecutionOutcome(kind=E.KIND_TRUNCATED, num_calls=0, progress=env.progress)
         try:
             conv.add_opening(await env.reset())
@@ -223,7 +223,7 @@ class Agent:
                         f"{spec.execution_id}.{call_seq}", prompt, sampling, execution_id=spec.execution_id
                     )
                 )
-                result = await env.step(Action.from_ids(completion.token_ids))
+                result = await env.step(Action.from_ids(completion.token_ids, self.tokenizer))
                 out.num_calls = call_seq + 1
                 out.num_migrations += completion.num_migrations
                 out.tokens_generated += len(completion.token_ids)

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from gyre.config import ConfigModel
 from gyre.model import ModelConfig
+from gyre.tokenizers import TOKENIZER_FIELD_DESCRIPTION, vocabulary_problem
 
 # The flat keys of older configs and the nested key that replaced each (rollout.harness.*).
 _MOVED_HARNESS_KEYS = {
@@ -105,6 +106,7 @@ class RolloutConfig(ConfigModel):
         default_factory=lambda: ModelConfig.model_validate({}),
         description="Model architecture (must match the trainer's).",
     )
+    tokenizer: str = Field("byte", description=TOKENIZER_FIELD_DESCRIPTION)
     init_seed: int | None = Field(
         None,
         ge=0,
@@ -269,8 +271,13 @@ class RolloutConfig(ConfigModel):
                 )
             if harness.tasks is not None and harness.reward is None:
                 raise ValueError("harness.tasks have no tests to score them: set harness.reward")
-        if self.model.vocab_size < 267:
-            raise ValueError("model.vocab_size must hold the byte tokenizer (>= 267; default 512)")
+        if self.tokenizer != "byte" and self.environment == "workload":
+            raise ValueError(
+                "environment 'workload' sizes its turns in byte-template tokens: use tokenizer 'byte' with it"
+            )
+        problem = vocabulary_problem(self.tokenizer, self.model.vocab_size, "rollout.model.vocab_size")
+        if problem:
+            raise ValueError(problem)
         return self
 
     def device_ids(self) -> list[str]:

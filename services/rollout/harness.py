@@ -79,7 +79,7 @@ A float is the reward. A dict may hold `reward`, `milestones_reached`, `mileston
 
 
 class ExecutionEndpoints(Protocol):
-    """What the harness needs from the OpenAI-compatible endpoint (services/rollout/openai_api.py)."""
+    """What the harness needs from the OpenAI-compatible endpoint (services/rollout/openai/)."""
 
     def issue(self, spec: ExecutionSpec) -> tuple[str, str]:
         """(base_url, api_key) through which calls land in `spec`'s execution (call_seq from 0)."""
@@ -99,7 +99,7 @@ class OpenAIExecutions:
         self.endpoint = endpoint
 
     def issue(self, spec: ExecutionSpec) -> tuple[str, str]:
-        from .openai_api import issue_execution_endpoint
+        from .openai import issue_execution_endpoint
 
         return issue_execution_endpoint(
             self.endpoint, task_id=spec.task_id, group_id=spec.group_id, execution_id=spec.execution_id

@@ -193,7 +193,11 @@ class RolloutService(Service):
         self.rt = rt
         self.sink = BusStepSink(rt.bus, max_buffer=cfg.step_buffer, vocab_size=cfg.model.vocab_size)
         rt.spawn(self.sink.run(), "step-publisher")
+        from gyre.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.tokenizer)
         agent_cfg = AgentConfig(
+            stop_token_ids=tokenizer.stop_ids,
             temperature=cfg.temperature,
             max_tokens=cfg.max_tokens,
             max_calls=cfg.max_calls,
@@ -203,7 +207,7 @@ class RolloutService(Service):
             keep_last_turns=cfg.keep_last_turns,
         )
         self.executions = ExecutionManager(
-            Agent(self.router, self.sink, agent_cfg),
+            Agent(self.router, self.sink, agent_cfg, tokenizer),
             make_family(cfg, self.common.seed, self.pacer),
             run_id=run_id,
             seed=self.common.seed,
@@ -231,14 +235,17 @@ class RolloutService(Service):
         else:
             await self._join_scheduler(rt)
         if cfg.openai_port is not None:
-            from .openai_api import OpenAIEndpoint, create_app, endpoint_keys, serve
+            from .openai import OpenAIEndpoint, create_app, endpoint_keys, serve
 
             key_dir = self.common.run_dir / "rollout" / cfg.worker_id
             api_key, admin_key = endpoint_keys(
                 cfg.openai_api_key, cfg.openai_admin_key, key_dir, require_api_key=cfg.openai_auth
             )
+            from gyre.tokenizers import load_tokenizer
+
             endpoint = OpenAIEndpoint(
-                self.router, self.sink, run_id=run_id, seed=self.common.seed, api_key=api_key,
+                self.router, self.sink, run_id=run_id, tokenizer=load_tokenizer(cfg.tokenizer),
+                vocab_size=cfg.model.vocab_size, seed=self.common.seed, api_key=api_key,
                 admin_key=admin_key, max_prompt_tokens=cfg.model.max_position_embeddings,
                 max_request_bytes=cfg.openai_max_request_bytes, execution_idle_s=cfg.openai_execution_idle_s,
             )  # fmt: skip

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from gyre.config import ConfigModel
 from gyre.model.config import ModelConfig
+from gyre.tokenizers import TOKENIZER_FIELD_DESCRIPTION, vocabulary_problem
 
 
 class TrainerConfig(ConfigModel):
@@ -17,6 +18,7 @@ class TrainerConfig(ConfigModel):
         default="trainer-0", pattern=r"^[A-Za-z0-9_-]+$", description="This trainer's worker ID."
     )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture of the trained model.")
+    tokenizer: str = Field(default="byte", description=TOKENIZER_FIELD_DESCRIPTION)
     init_weights: str | None = Field(
         default=None,
         description="Weights to start from: an HF Llama/Qwen2 checkpoint directory (imported by gyre/model/hf.py; "
@@ -143,4 +145,7 @@ class TrainerConfig(ConfigModel):
                 "advantage normalisation divides by the RMS of the whole step's advantages, which a "
                 "streamed step does not know when it trains its first part; turn one of them off"
             )
+        problem = vocabulary_problem(self.tokenizer, self.model.vocab_size, "trainer.model.vocab_size")
+        if problem:
+            raise ValueError(problem)
         return self

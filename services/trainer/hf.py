@@ -6,7 +6,11 @@
         `rollout.init_weights` to CKPT_DIR (examples/hf_model.yaml)
     python -m services.trainer.hf tiny OUT_DIR
         write a tiny random Llama checkpoint (vocab 512 = Gyre's byte tokenizer, 2 layers, hidden 64)
-        with `transformers`, no download: what examples/hf_model.yaml expects
+        with `transformers`, no download
+    python -m services.trainer.hf tiny-qwen2 OUT_DIR
+        write a tiny random Qwen2 checkpoint *and its own tokenizer* (a BPE the project trains on its
+        shipped corpus, Qwen-style chat template with tools: gyre/tokenizers/bpe.py), no download:
+        what examples/hf_model.yaml expects
     python -m services.trainer.hf export --weights RUN_DIR/weights/v000002.safetensors \\
             --like CKPT_DIR --out OUT_DIR
         write a trained weight version as an HF checkpoint directory (config.json +
@@ -51,6 +55,7 @@ __all__ = [
     "model_config_from_hf",
     "read_hf_config",
     "write_tiny_llama",
+    "write_tiny_qwen2",
 ]
 
 
@@ -88,6 +93,35 @@ def write_tiny_llama(out: str | Path, seed: int = 0) -> Path:
     return Path(out)
 
 
+def write_tiny_qwen2(out: str | Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2 checkpoint with the project's own BPE tokenizer and chat template in `out`.
+
+    The embedding has the tokenizer's size rounded up to a multiple of 64 rows (as checkpoints pad
+    theirs); 2 layers, hidden 64, 1024 positions. `AutoTokenizer` and `AutoModelForCausalLM` load
+    the directory offline.
+    """
+    import transformers
+
+    from gyre.tokenizers.bpe import write_generation_config, write_tiny_tokenizer
+
+    num_ids = write_tiny_tokenizer(out)
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(
+        vocab_size=-(-num_ids // 64) * 64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    transformers.Qwen2ForCausalLM(config).save_pretrained(out)
+    write_generation_config(out)  # the model's save replaced it
+    return Path(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m services.trainer.hf", description=__doc__.splitlines()[0]
@@ -97,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg_cmd.add_argument("checkpoint", type=Path)
     tiny = sub.add_parser("tiny", help="write a tiny random Llama checkpoint (no download)")
     tiny.add_argument("out", type=Path)
+    tiny_qwen2 = sub.add_parser("tiny-qwen2", help="write a tiny random Qwen2 checkpoint and its tokenizer")
+    tiny_qwen2.add_argument("out", type=Path)
     exp = sub.add_parser("export", help="write a trained weight version as an HF checkpoint")
     exp.add_argument("--weights", type=Path, required=True, help="RUN_DIR/weights/vNNNNNN.safetensors")
     exp.add_argument("--like", type=Path, required=True, help="the HF checkpoint the run started from")
@@ -111,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump({"model": cfg.model_dump(exclude={"init_std", "attention_backend"})}))
         elif args.command == "tiny":
             print(f"wrote {write_tiny_llama(args.out)}")
+        elif args.command == "tiny-qwen2":
+            print(f"wrote {write_tiny_qwen2(args.out)}")
         else:
             out = export_weights(args.weights, read_hf_config(args.like), args.out)
             print(f"wrote {out}")

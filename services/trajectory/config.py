@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from gyre.config import ConfigModel
+from gyre.tokenizers import TOKENIZER_FIELD_DESCRIPTION, vocabulary_problem
 from services.trajectory.scoring import CreditAssignment
 
 
@@ -107,6 +108,7 @@ class TrajectoryConfig(ConfigModel):
         pattern=r"^[A-Za-z0-9_-]+$",
         description="Prefix of the durable JetStream consumer names.",
     )
+    tokenizer: str = Field("byte", description=TOKENIZER_FIELD_DESCRIPTION)
     vocab_size: int | None = Field(
         None,
         ge=1,
@@ -141,4 +143,8 @@ class TrajectoryConfig(ConfigModel):
             raise ValueError(
                 f"reward_min ({self.reward_min}) must be smaller than reward_max ({self.reward_max})"
             )
+        if self.vocab_size is not None:
+            problem = vocabulary_problem(self.tokenizer, self.vocab_size, "trajectory.vocab_size")
+            if problem:
+                raise ValueError(problem)
         return self

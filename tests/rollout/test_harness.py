@@ -21,7 +21,7 @@ from services.rollout.agent_process import HarnessSettings
 from services.rollout.engines.torch_engine import TorchEngine
 from services.rollout.environments.json_tasks import JsonTaskFamily
 from services.rollout.harness import ExternalHarness, OpenAIExecutions, load_reward
-from services.rollout.openai_api import OpenAIEndpoint, create_app, serve
+from services.rollout.openai import OpenAIEndpoint, create_app, serve
 from services.rollout.router import Router
 from services.rollout.steps import BusStepSink
 

@@ -98,9 +98,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_transformers(
     tmp_path, nats_url
 ):
-    """`gyre run examples/hf_model.yaml` with real services, from a tiny Llama this test writes.
+    """`gyre run examples/hf_model.yaml` with real services, from the project's tiny Qwen2 checkpoint
+    and its own tokenizer (services.trainer.hf.write_tiny_qwen2), written by this test.
 
-    Shows: the rollout served the checkpoint as version 0 (the log-probs it recorded equal the
+    Shows: every service tokenised with the checkpoint's tokenizer (the prompts are its chat template,
+    not byte ids); the rollout served the checkpoint as version 0 (the log-probs it recorded equal the
     `transformers` model's), the trainer started from it (version 1 is one small step away from it,
     not a random init), two steps were trained, and version 2 exported as an HF checkpoint loads
     back into `transformers` with logits within 1e-4 of Gyre's model on the same weights.
@@ -112,10 +114,10 @@ def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_
     from gyre.model import build_model, load_weights
     from gyre.model.hf import read_hf_config
     from gyre.v1 import events_pb2
-    from services.trainer.hf import export_weights, write_tiny_llama
+    from services.trainer.hf import export_weights, write_tiny_qwen2
     from tests.helpers.stream import read_stream
 
-    ckpt = write_tiny_llama(tmp_path / "tiny-llama")
+    ckpt = write_tiny_qwen2(tmp_path / "tiny-qwen2")
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
     env.update(
@@ -124,6 +126,9 @@ def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_
         GYRE_RUN_ID=f"hf-{tmp_path.name}"[:60].replace("_", "-"),
         GYRE_TRAINER__INIT_WEIGHTS=str(ckpt),
         GYRE_ROLLOUT__INIT_WEIGHTS=str(ckpt),
+        GYRE_TRAINER__TOKENIZER=str(ckpt),
+        GYRE_ROLLOUT__TOKENIZER=str(ckpt),
+        GYRE_TRAJECTORY__TOKENIZER=str(ckpt),
     )
     proc = subprocess.run(
         [
@@ -138,7 +143,8 @@ def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_
     )
     assert proc.returncode == 0, f"gyre run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
-    hf = transformers.LlamaForCausalLM.from_pretrained(ckpt).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
     cfg = read_hf_config(ckpt)
 
     # the rollout served the checkpoint: a version-0 call's log-probs are the HF model's
@@ -149,6 +155,9 @@ def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_
     assert v0, "no call was served by version 0"
     step = v0[0]
     prompt, completion = list(step.prompt_token_ids), list(step.completion_token_ids)
+    rendered = hf_tok.decode(prompt)
+    assert rendered.startswith("<|im_start|>user\n") and rendered.endswith("<|im_start|>assistant\n")
+    assert max(prompt) >= 512  # BPE ids, not bytes
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + completion])).logits[0].double()
     expected = [
@@ -171,7 +180,7 @@ def test_hf_model_yaml_trains_two_steps_from_the_checkpoint_and_exports_back_to_
     # version 2, exported, loads into transformers with the same logits as our model
     v2_path = run_dir / "weights" / "v000002.safetensors"
     out = export_weights(v2_path, cfg, tmp_path / "hf-v2")
-    back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     ours = build_model(cfg, device="cpu", dtype=torch.float32)
     load_weights(ours, v2_path)
     ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))

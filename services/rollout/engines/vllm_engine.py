@@ -8,7 +8,7 @@ vLLM stays an external server (and an optional extra); this client speaks:
 - `POST /sleep?level=1`, `POST /wake_up`, `GET /is_sleeping` (vLLM's dev-mode routes);
 - `POST /collective_rpc` with `{"method": "reload_weights", "kwargs": {version, uri, sha256}}`.
 
-It was tested only against Gyre's own OpenAI-compatible endpoint (services/rollout/openai_api.py),
+It was tested only against Gyre's own OpenAI-compatible endpoint (services/rollout/openai/),
 never against a real vLLM; docs/rollout.md lists what that leaves unverified. Differences from the
 torch engine, by design of a remote server:
 

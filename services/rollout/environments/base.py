@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from gyre.tokenizer import AssistantTurn, parse_assistant
+from gyre.tokenizers import Tokenizer
 from gyre.v1 import common_pb2
 
 
@@ -51,8 +52,10 @@ class Action:
     turn: AssistantTurn
 
     @classmethod
-    def from_ids(cls, ids: Sequence[int]) -> Action:
-        return cls(token_ids=list(ids), turn=parse_assistant(ids))
+    def from_ids(cls, ids: Sequence[int], tokenizer: Tokenizer | None = None) -> Action:
+        """The action of completion `ids`, parsed by the run's tokenizer (default: the byte one)."""
+        turn = tokenizer.parse_assistant(ids) if tokenizer is not None else parse_assistant(ids)
+        return cls(token_ids=list(ids), turn=turn)
 
 
 @dataclass

@@ -1,0 +1,108 @@
+"""The FastAPI app of the OpenAI-compatible endpoint (one error map) and its uvicorn server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from gyre.errors import Conflict, GyreError, InvalidArgument, NotFound, PayloadTooLarge
+
+from .endpoint import OpenAIEndpoint
+from .routes import control_routes, model_routes
+from .schema import ApiError
+from .standin import standin_routes
+
+_STATUS: list[tuple[type[GyreError], int]] = [
+    (NotFound, 404), (PayloadTooLarge, 413), (InvalidArgument, 400), (Conflict, 409),
+]  # fmt: skip
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def create_app(endpoint: OpenAIEndpoint) -> FastAPI:
+    """The FastAPI app: model routes at `/` and under `/x/{exec_token}`, control routes, one error map."""
+    app = FastAPI(title="Gyre rollout (OpenAI-compatible)", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.endpoint = endpoint
+    app.include_router(model_routes)
+    app.include_router(model_routes, prefix="/x/{exec_token}")
+    app.include_router(control_routes)
+    app.include_router(standin_routes)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        response = _error(exc.status, str(exc), exc.kind)
+        if exc.status == 401:
+            response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    @app.exception_handler(GyreError)
+    async def _gyre_error(_: Request, exc: GyreError) -> JSONResponse:
+        status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 503)
+        return _error(status, str(exc), type(exc).__name__)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, f"invalid request: {exc.errors()[:3]}", "InvalidArgument")
+
+    return app
+
+
+async def serve(app: FastAPI, host: str, port: int) -> tuple[Any, int]:
+    """Start uvicorn (and the endpoint's idle reaper) in this event loop; returns (server, bound port).
+
+    Stop with `server.should_exit = True`, then await `server.gyre_task`.
+    """
+    import contextlib
+    from collections.abc import Iterator
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn without its own signal handling: the service lifecycle owns SIGTERM/SIGINT.
+
+        uvicorn's default swaps the process's handlers and re-raises the signal on exit, which the
+        lifecycle then reads as a second signal and skips its drain grace periods.
+        """
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    server = _Server(
+        uvicorn.Config(
+            app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+        )
+    )
+    endpoint: OpenAIEndpoint = app.state.endpoint
+
+    async def serve_and_reap() -> None:
+        """uvicorn plus the idle-execution reaper; a reaper that fails stops the server and raises."""
+        http = asyncio.create_task(server.serve(), name="openai-http-serve")
+        reaper = asyncio.create_task(endpoint.reap_forever(), name="openai-idle-reaper")
+        done, _ = await asyncio.wait({http, reaper}, return_when=asyncio.FIRST_COMPLETED)
+        if reaper in done:
+            server.should_exit = True
+            await http
+            reaper.result()
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+        http.result()
+
+    task = asyncio.create_task(serve_and_reap(), name="openai-http")
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    server.gyre_task = task  # type: ignore[attr-defined]
+    if not endpoint.public_url:
+        reachable = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host  # a wildcard bind: loopback
+        endpoint.public_url = f"http://{reachable}:{int(bound)}"
+    return server, int(bound)
