@@ -4,7 +4,8 @@
             devices: standalone -> an engine on each; with a scheduler -> RegisterWorker, then follow
             gyre.leases.<run>.* and Heartbeat replies (LeaseFollower), ReportLoad every few seconds
             gRPC Rollout (Generate, StartExecutions, GetStatus) + OpenAI-compatible HTTP endpoint
-            executions: num_tasks x group_size at boot (optionally continuous)
+            executions: num_tasks x group_size at boot (optionally continuous); a restarted process
+            (GYRE_INCARNATION >= 1) first resumes what its predecessor left running (resume.py)
     stop:   stop starting executions, let live ones finish (bounded by the drain timeout),
             drain every engine, flush the step publisher
 
@@ -31,8 +32,9 @@ from .agent import Agent, AgentConfig, call_seed
 from .config import RolloutConfig
 from .engines.base import Engine, GenerationRequest, Sampling
 from .environments.base import TaskFamily
-from .executions import ExecutionManager, end_orphaned_executions
+from .executions import ExecutionManager
 from .leases import EngineDevices
+from .resume import ResumePlan
 from .router import Router
 from .steps import BusStepSink
 from .weights import WeightSwapper
@@ -257,17 +259,27 @@ class RolloutService(Service):
                 key_dir / "openai_api_key" if cfg.openai_api_key is None else "rollout.openai_api_key",
                 key_dir / "openai_admin_key" if cfg.openai_admin_key is None else "rollout.openai_admin_key",
             )  # fmt: skip
-        if self.executions.incarnation:  # restarted: end what the killed predecessor left running
-            try:
-                orphans = await end_orphaned_executions(rt.bus, self.sink, run_id)
-            except Exception as exc:  # the trajectory still scores them once a group member ends
-                log.warning("could not end the executions of the previous rollout process: %r", exc)
-            else:
-                self.executions.counters.interrupted += len(orphans)
-                log.info("ended %d executions the previous rollout process left running", len(orphans))
+        if self.executions.incarnation:  # restarted: resume what the killed predecessor left running
+            await self._resume_predecessors(rt)
         if cfg.num_tasks:
-            self.executions.start(cfg.num_tasks, cfg.group_size)
+            self.executions.start(cfg.num_tasks, cfg.group_size, skip_resumed=True)
         self.state = common_pb2.SERVICE_STATE_SERVING
+
+    async def _resume_predecessors(self, rt: Runtime) -> None:
+        """Resume (or end, with the reason) every execution the previous process of this worker left
+        running (services/rollout/resume.py). A bus that cannot be read leaves them to the
+        trajectory service, which scores an unended execution as partial once its group waited."""
+        try:
+            plan = await ResumePlan.load(rt.bus, self.common.run_id)
+        except Exception as exc:
+            log.warning("could not read the executions of the previous rollout process: %r", exc)
+            return
+        resumed, ended = await self.executions.resume(plan, self.sink, self.cfg.group_size)
+        self.executions.counters.interrupted += len(ended)
+        log.info(
+            "previous rollout process left %d executions running: %d resumed, %d ended",
+            len(plan.points), len(resumed), len(ended),
+        )  # fmt: skip
 
     async def _join_scheduler(self, rt: Runtime) -> None:
         """Become a worker of the pool: engines start and stop as the scheduler's leases say."""
@@ -340,6 +352,7 @@ class RolloutService(Service):
             executions_started=c.started,
             executions_completed=c.completed,
             executions_interrupted=c.interrupted,
+            executions_resumed=c.resumed,
             migrations=self.router.stats.migrations,
             state=self.state,  # type: ignore[arg-type]
         )
