@@ -26,6 +26,10 @@ trainer's final checkpoint:
     executions_lost      executions of a rollout process that died (killed here or exiting by itself;
                          started, no end event when it died) whose group was never scored: neither
                          ended nor trained as partial (executions_orphaned: all of them, scored or not)
+    executions_live_at_kill / _resumed / _restarted   of those, the ones the restarted rollout resumed
+                         under their own id and finished (RESUMED event, then FINISHED or TRUNCATED),
+                         and the ones it ended FAILED instead (their tasks ran again in new groups);
+                         executions_resumed_fraction = resumed / live at kill (execution_fates)
     completed            the job reached its steps; `learned` (+ reward delta): the report's verdict
     trainer_bitwise_equal  the exactly-once probe (app.exactly_once): a trainer SIGKILLed and
                          restarted ends bitwise equal to an uninterrupted one fed the same batches
@@ -178,6 +182,37 @@ def count_double_leases(lease_events: list[dict[str, Any]]) -> int:
     return doubles
 
 
+def execution_fates(execution_events: list[dict[str, Any]], kills: list[float]) -> dict[str, str]:
+    """What became of each execution live when a rollout process died (started before a kill time in
+    `kills`, no end event before it): "resumed" (a RESUMED event after that kill and an end that is
+    not FAILED: it finished under its own id), "restarted" (ended FAILED: not resumed, its task ran
+    again in a new group) or "unended" (no end event at all). Events as the event log holds them."""
+    started: dict[str, float] = {}
+    ends: dict[str, tuple[float, str]] = {}
+    resumed_at: dict[str, list[float]] = {}
+    for ev in execution_events:
+        eid, kind, at = ev["execution_id"], ev.get("kind", ""), float(ev.get("created_unix_s", 0))
+        if kind == "KIND_STARTED":
+            started.setdefault(eid, at)
+        elif kind == "KIND_RESUMED":
+            resumed_at.setdefault(eid, []).append(at)
+        elif kind in ("KIND_FINISHED", "KIND_TRUNCATED", "KIND_FAILED"):
+            ends.setdefault(eid, (at, kind))
+    fates: dict[str, str] = {}
+    for eid, t0 in started.items():
+        end_at, end_kind = ends.get(eid, (math.inf, ""))
+        hit = [k for k in kills if t0 < k < end_at]
+        if not hit:
+            continue
+        if not end_kind:
+            fates[eid] = "unended"
+        elif end_kind != "KIND_FAILED" and any(r > hit[-1] for r in resumed_at.get(eid, [])):
+            fates[eid] = "resumed"
+        else:
+            fates[eid] = "restarted"
+    return fates
+
+
 def final_trainer_state(run_dir: Path) -> dict[str, Any]:
     """state.json of the trainer's newest checkpoint (<run_dir>/trainer/checkpoints; {} if none)."""
     states = sorted((run_dir / "trainer").rglob("state.json"), key=lambda p: p.stat().st_mtime)
@@ -247,11 +282,6 @@ def tally(
     ]
     dissolved = [b for b in batches if b not in stored] if batches_in_store is not None else []
 
-    ends = {
-        ev["execution_id"]: float(ev.get("created_unix_s", 0))
-        for ev in by_type.get("ExecutionEvent", [])
-        if ev.get("kind") in ("KIND_FINISHED", "KIND_TRUNCATED", "KIND_FAILED")
-    }
     started = {
         ev["execution_id"]: ev for ev in by_type.get("ExecutionEvent", []) if ev.get("kind") == "KIND_STARTED"
     }
@@ -262,11 +292,8 @@ def tally(
         {f.injected_at for f in faults if f.target == "rollout" and f.injected_at}
         | {float(r["exited_at"]) for r in restart_events if r.get("service") == "rollout"}
     )
-    orphaned = [
-        eid
-        for eid, ev in started.items()
-        if any(float(ev.get("created_unix_s", 0)) < k and ends.get(eid, k + 1) > k for k in kills)
-    ]
+    fates = execution_fates(by_type.get("ExecutionEvent", []), kills)
+    orphaned = list(fates)
     lost_executions = [eid for eid in orphaned if started[eid].get("group_id") not in scored]
     rerun_groups = {ev.get("group_id", "") for ev in started.values() if "-r" in ev.get("group_id", "")}
     return {
@@ -282,6 +309,12 @@ def tally(
         "double_leases": count_double_leases(by_type.get("LeaseEvent", [])),
         "executions_started": len(started),
         "executions_orphaned": len(orphaned),
+        "executions_live_at_kill": len(fates),
+        "executions_resumed": sum(1 for f in fates.values() if f == "resumed"),
+        "executions_restarted": sum(1 for f in fates.values() if f == "restarted"),
+        "executions_resumed_fraction": (
+            round(sum(1 for f in fates.values() if f == "resumed") / len(fates), 4) if fates else None
+        ),
         "executions_lost": len(lost_executions),
         "groups_rerun_after_rollout_restart": len(rerun_groups),
     }
@@ -388,6 +421,9 @@ def _print_text(result: dict[str, Any]) -> None:
         "completed",
         "steps_emitted",
         "steps_stored",
+        "executions_live_at_kill",
+        "executions_resumed",
+        "executions_restarted",
         *LOSS_COUNTERS,
         "learned",
         "trainer_bitwise_equal",

@@ -10,7 +10,9 @@ histogram `completion_version_counts: {"<version>": num_tokens}`. Nothing else i
 
 Guarantees: records are appended and flushed one line at a time, so a crashed run leaves a
 readable log (a truncated last line is skipped by `read_events`). Events with an `event_id`
-already written by this writer are skipped (JetStream may redeliver).
+already in the log are skipped (JetStream may redeliver): a writer opened on an existing log (a
+resumed run, `gyre run --resume`) first reads the keys it holds and cuts a torn last line, so the
+log of a run that was stopped and resumed is one log of the whole run, each event once.
 """
 
 from __future__ import annotations
@@ -58,6 +60,32 @@ def to_record(msg: Message, subject: str = "", recv_unix_s: float | None = None)
     }
 
 
+def _key(record: dict[str, Any]) -> str:
+    """What makes a record a duplicate of another: its type and event_id."""
+    return f"{record.get('type')}:{record.get('event', {}).get('event_id', '')}"
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Drop a last line that a killed writer left without its newline (appending would glue to it)."""
+    with path.open("rb+") as fh:
+        size = fh.seek(0, 2)
+        if size == 0:
+            return
+        fh.seek(size - 1)
+        if fh.read(1) == b"\n":
+            return
+        end = size
+        while end > 0:  # back to the last newline, a chunk at a time
+            start = max(0, end - (1 << 20))
+            fh.seek(start)
+            cut = fh.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                fh.truncate(start + cut + 1)
+                return
+            end = start
+        fh.truncate(0)
+
+
 class EventLogWriter:
     """Appends records to a JSON-lines file; skips an `event_id` it has already written."""
 
@@ -65,6 +93,9 @@ class EventLogWriter:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._seen: set[str] = set()
+        if path.is_file():
+            _cut_torn_tail(path)
+            self._seen = {_key(r) for r in iter_events(path) if r["event"].get("event_id")}
         self._file: TextIO = path.open("a", encoding="utf-8")
         self.num_written = 0
         self.num_duplicates = 0
@@ -72,7 +103,7 @@ class EventLogWriter:
     def write(self, record: dict[str, Any]) -> bool:
         """Append one record; return False (and write nothing) for an event_id seen before."""
         event_id = str(record.get("event", {}).get("event_id", ""))
-        key = f"{record.get('type')}:{event_id}"
+        key = _key(record)
         if event_id and key in self._seen:
             self.num_duplicates += 1
             return False

@@ -1,4 +1,4 @@
-"""`gyre run CONFIG [--policy colocate|async|elastic] [--steps N] [--run-dir D]`: one training job.
+"""`gyre run CONFIG [--policy colocate|async|elastic] [--steps N] [--run-dir D] [--resume]`: one training job.
 
 The job, on one screen:
 
@@ -17,6 +17,15 @@ The job, on one screen:
 Losing the bus (nats-server killed and restarted by the launcher) is ridden out: the job's NATS
 connection reconnects, a live tail that stalls is resubscribed from the start of its stream (the
 event log drops duplicates), and closing the connection never raises, so the report is written.
+
+`--resume` continues a run whose processes all died (the machine went down, Ctrl-C, a timeout) on
+its run directory instead of moving it aside: the same run_id (checked against
+<run_dir>/config.yaml), embedded NATS and Postgres on their data in the run_dir (streams, durable
+consumers, leases, the trajectory store), the trainer from its checkpoint + journal (no batch
+trained twice), the rollout as a later incarnation (launcher's start counts in the run_dir) that
+resumes the executions left running, and the job's step count from the weight versions on the bus.
+The event log is continued (each event once), so the report covers the whole run; its wall time
+is the sum of the job's segments (<run_dir>/job_segments.json).
 
 Exit status: 0 when the job reached its steps and the report was written; 1 when it stopped early
 (timeout, a service down for good) — the report of what happened is still written, and says the
@@ -50,6 +59,7 @@ from gyre.errors import ConfigError, GyreError
 POLICIES = ("colocate", "async", "elastic")
 CONFIG_NAME = "config.yaml"
 FINAL_STATS_NAME = "final_stats.json"
+SEGMENTS_NAME = "job_segments.json"  # [[started_unix_s, ended_unix_s], ...]: one per `gyre run` of the run
 RESYNC_INTERVAL_S = 10.0  # how often the drive loop checks that the live event tail keeps up
 
 
@@ -95,6 +105,33 @@ def prepare_run_dir(run_dir: Path) -> Path | None:
     shutil.move(str(run_dir), str(old))
     run_dir.mkdir(parents=True)
     return old
+
+
+def check_resumable(run_dir: Path, run_id: str) -> None:
+    """ConfigError unless `run_dir` holds a run of `run_id` to resume (its config.yaml)."""
+    config = run_dir / CONFIG_NAME
+    if not config.is_file():
+        raise ConfigError(
+            f"--resume: {run_dir} holds no run to resume (no {CONFIG_NAME}); run without --resume"
+        )
+    previous = load_common(data=load_yaml(config)).run_id
+    if previous != run_id:
+        raise ConfigError(
+            f"--resume: {run_dir} holds run {previous!r}, the config names run {run_id!r}; "
+            "resume with the same run_id (or choose another --run-dir)"
+        )
+
+
+def record_segment(run_dir: Path, started: float, ended: float) -> float:
+    """Append this `gyre run`'s [started, ended] to the run's segments; return the seconds of all of them."""
+    path = run_dir / SEGMENTS_NAME
+    try:
+        segments = [list(map(float, seg)) for seg in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
+        segments = []
+    segments.append([started, ended])
+    path.write_text(json.dumps(segments) + "\n")
+    return sum(b - a for a, b in segments)
 
 
 def _free_port(host: str) -> int:
@@ -362,9 +399,15 @@ def finish_run(out_dir: Path, outcome: JobOutcome, *, wall_s: float, seed: int) 
 
 
 def run_job(
-    config_path: Path, *, policy: str | None = None, steps: int | None = None, run_dir: Path | None = None
+    config_path: Path,
+    *,
+    policy: str | None = None,
+    steps: int | None = None,
+    run_dir: Path | None = None,
+    resume: bool = False,
 ) -> int:
-    """Run one job end to end (see the module docstring); return the exit status."""
+    """Run one job end to end, or with `resume` continue the one in its run_dir (module docstring);
+    return the exit status."""
     from app.job.report import headline
     from app.launcher.deployment import Deployment, DeploymentError
 
@@ -372,9 +415,13 @@ def run_job(
     common = load_common(data=raw)
     job = load_section(JobConfig, "job", data=raw)
     out_dir = Path(common.run_dir).resolve()
-    moved = prepare_run_dir(out_dir)
-    if moved is not None:
-        print(f"previous run in {out_dir} moved to {moved}", flush=True)
+    if resume:
+        check_resumable(out_dir, common.run_id)
+        print(f"resuming run {common.run_id} in {out_dir}", flush=True)
+    else:
+        moved = prepare_run_dir(out_dir)
+        if moved is not None:
+            print(f"previous run in {out_dir} moved to {moved}", flush=True)
     raw["run_dir"] = str(out_dir)
     effective = out_dir / CONFIG_NAME
     effective.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -402,8 +449,8 @@ def run_job(
         if not (out_dir / "events.jsonl").is_file():
             return 1
         outcome = JobOutcome(False, f"deployment failed: {exc.service}")
-    wall_s = time.time() - started
-    print(f"job ended: {outcome.reason} ({wall_s:.0f} s); writing the report", flush=True)
+    wall_s = record_segment(out_dir, started, time.time())
+    print(f"job ended: {outcome.reason} ({wall_s:.0f} s of job in all); writing the report", flush=True)
     try:
         report = finish_run(out_dir, outcome, wall_s=wall_s, seed=common.seed)
     except ValueError as exc:
@@ -425,11 +472,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", choices=POLICIES, help="scheduling policy (overrides scheduler.policy)")
     parser.add_argument("--steps", type=int, help="trainer steps to run (overrides job.num_steps)")
     parser.add_argument("--run-dir", type=Path, help="run directory (overrides run_dir)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in the run directory (same run_id) instead of moving it aside and starting fresh",
+    )
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
     try:
-        return run_job(args.config, policy=args.policy, steps=args.steps, run_dir=args.run_dir)
+        return run_job(
+            args.config, policy=args.policy, steps=args.steps, run_dir=args.run_dir, resume=args.resume
+        )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

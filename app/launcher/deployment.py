@@ -35,7 +35,8 @@ started here outlives it.
 Supervision (`launcher.restart`, on by default): once started, a supervisor thread polls every
 process. A service that exits, for any reason and with any status, except through `stop()` or
 `stop_service()`, is started again with the same command, gRPC port and environment plus
-GYRE_INCARNATION=<starts so far>, after the backoff of its `RestartPolicy`, and waited for until
+GYRE_INCARNATION=<starts so far in this run_dir, <run_dir>/service_starts.json, so a deployment
+started again on the same run_dir (`gyre run --resume`) continues the count>, after the backoff of its `RestartPolicy`, and waited for until
 SERVING; an embedded nats-server or Postgres that exits is started again on the same port with the
 same data (JetStream file store, Postgres cluster), so every client's URL stays valid. Each restart
 is logged (on_progress) and recorded (`restarts`, `supervision_stats()`); a service that exits more
@@ -69,6 +70,8 @@ from gyre.config import CommonConfig, load_common, load_section, load_yaml
 from gyre.errors import GyreError
 from gyre.store import roles
 
+STARTS_NAME = "service_starts.json"  # in the run_dir: service -> processes started (read_starts)
+
 
 class DeploymentError(GyreError):
     """A service could not be started or died; the message holds the tail of its log."""
@@ -79,6 +82,23 @@ class DeploymentError(GyreError):
         )
         self.service = service
         self.log_tail = log_tail
+
+
+def read_starts(run_dir: Path) -> dict[str, int]:
+    """Service -> processes started so far in `run_dir` (<run_dir>/STARTS_NAME; {} for a new run)."""
+    try:
+        data = json.loads((run_dir / STARTS_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def write_starts(run_dir: Path, starts: Mapping[str, int]) -> None:
+    """Record the start counts (written whole to a temporary file, then renamed: never torn)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{STARTS_NAME}.tmp"
+    tmp.write_text(json.dumps(dict(starts), sort_keys=True) + "\n")
+    tmp.replace(run_dir / STARTS_NAME)
 
 
 def address_env_var(service: str) -> str:
@@ -145,7 +165,10 @@ class Deployment:
         )
         self.restarts: list[RestartRecord] = []  # every restart the supervisor did, in order
         self._spawn_env: dict[str, dict[str, str]] = {}  # service -> environment it was started with
-        self._starts: dict[str, int] = {}  # service -> processes spawned so far
+        # service -> processes spawned so far in this run_dir, by every deployment that used it (a
+        # resumed run continues the count, so a rollout restarted by `gyre run --resume` is incarnation
+        # >= 1: it resumes its predecessor's executions and never reuses a group id)
+        self._starts: dict[str, int] = read_starts(self.run_dir)
         self._gave_up: dict[str, str] = {}  # service -> why the supervisor stopped restarting it
         self._stopped: set[str] = set()  # services stopped on purpose (stop_service): not restarted
         self._halt = threading.Event()  # set by stop(): the supervisor and any start wait end
@@ -322,6 +345,7 @@ class Deployment:
         self._progress(f"starting {name}")
         incarnation = self._starts.get(name, 0)
         self._starts[name] = incarnation + 1
+        write_starts(self.run_dir, self._starts)
         proc = ServiceProcess(
             name,
             self._command(name),

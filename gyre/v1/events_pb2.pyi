@@ -53,11 +53,13 @@ class ExecutionEvent(_message.Message):
         KIND_FINISHED: _ClassVar[ExecutionEvent.Kind]
         KIND_TRUNCATED: _ClassVar[ExecutionEvent.Kind]
         KIND_FAILED: _ClassVar[ExecutionEvent.Kind]
+        KIND_RESUMED: _ClassVar[ExecutionEvent.Kind]
     KIND_UNSPECIFIED: ExecutionEvent.Kind
     KIND_STARTED: ExecutionEvent.Kind
     KIND_FINISHED: ExecutionEvent.Kind
     KIND_TRUNCATED: ExecutionEvent.Kind
     KIND_FAILED: ExecutionEvent.Kind
+    KIND_RESUMED: ExecutionEvent.Kind
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]

@@ -84,7 +84,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("engines", "live_executions", "executions_started", "executions_completed", "executions_interrupted", "migrations", "state")
+    __slots__ = ("engines", "live_executions", "executions_started", "executions_completed", "executions_interrupted", "migrations", "state", "executions_resumed", "engine_restarts")
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     LIVE_EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
     EXECUTIONS_STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class GetStatusResponse(_message.Message):
     EXECUTIONS_INTERRUPTED_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    EXECUTIONS_RESUMED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     live_executions: int
     executions_started: int
@@ -99,4 +101,6 @@ class GetStatusResponse(_message.Message):
     executions_interrupted: int
     migrations: int
     state: _common_pb2.ServiceState
-    def __init__(self, engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., live_executions: _Optional[int] = ..., executions_started: _Optional[int] = ..., executions_completed: _Optional[int] = ..., executions_interrupted: _Optional[int] = ..., migrations: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.ServiceState, str]] = ...) -> None: ...
+    executions_resumed: int
+    engine_restarts: int
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., live_executions: _Optional[int] = ..., executions_started: _Optional[int] = ..., executions_completed: _Optional[int] = ..., executions_interrupted: _Optional[int] = ..., migrations: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.ServiceState, str]] = ..., executions_resumed: _Optional[int] = ..., engine_restarts: _Optional[int] = ...) -> None: ...

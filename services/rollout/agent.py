@@ -18,6 +18,13 @@ exactly as generated (no re-tokenisation). Context policies decide what the next
 
 A call whose prompt does not extend the previous prompt + completion carries `context_event` =
 the policy's name (informational: the trajectory service finds branches from the tokens).
+
+Resuming (services/rollout/resume.py): `run(spec, env, resume_from=steps)` takes the stored calls
+0..n-1 of an execution a killed predecessor left running. It publishes no STARTED (the execution
+manager has published RESUMED) and runs the same loop, but for call k < n it takes the stored completion instead of generating and
+hands it to `env.replay`; before that it checks that the prompt it rebuilt equals stored call k's
+prompt token for token (else `ResumeDiverged`: the execution ends FAILED, "could not resume").
+From call n on it generates as usual, so the calls it publishes continue the stored ones exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -39,6 +47,10 @@ from .steps import StepSink
 log = logging.getLogger(__name__)
 
 ContextPolicy = Literal["none", "compaction", "strip_reasoning"]
+
+
+class ResumeDiverged(RuntimeError):
+    """Replaying an execution's stored actions did not rebuild its stored prompts: it cannot resume."""
 
 
 class Generator(Protocol):
@@ -85,6 +97,7 @@ class ExecutionOutcome:
     num_migrations: int = 0
     tokens_generated: int = 0
     completions: list[list[int]] = field(default_factory=list)
+    resumed_calls: int = 0  # calls replayed from the stored steps (0: not a resumed execution)
 
 
 def call_seed(seed: int, execution_id: str, call_seq: int) -> int:
@@ -193,10 +206,18 @@ class Agent:
             ev.reward = reward
         return ev
 
-    async def run(self, spec: ExecutionSpec, env: Environment) -> ExecutionOutcome:
+    async def run(
+        self,
+        spec: ExecutionSpec,
+        env: Environment,
+        resume_from: Sequence[events_pb2.StepEvent] = (),
+    ) -> ExecutionOutcome:
+        """Run `spec` to its end; with `resume_from` (stored calls 0..n-1, full prompts) continue it
+        after replaying them (module docstring). Never raises for a crash: that is a FAILED outcome."""
         cfg = self.config
         E = events_pb2.ExecutionEvent
-        await self.sink.publish_execution(self._execution_event(spec, E.KIND_STARTED, env.progress, 0))
+        if not resume_from:
+            await self.sink.publish_execution(self._execution_event(spec, E.KIND_STARTED, env.progress, 0))
         conv = Conversation(cfg, self.tokenizer)
         out = ExecutionOutcome(kind=E.KIND_TRUNCATED, num_calls=0, progress=env.progress)
         try:
@@ -206,31 +227,25 @@ class Agent:
             for call_seq in range(cfg.max_calls):
                 compacted = conv.maybe_compact(env.progress)
                 prompt = conv.prompt()
-                if len(prompt) + cfg.max_tokens > cfg.max_context_tokens:
+                stored = resume_from[call_seq] if call_seq < len(resume_from) else None
+                if stored is None and len(prompt) + cfg.max_tokens > cfg.max_context_tokens:
                     break  # out of context: truncated
                 event = ""
                 if previous and prompt[: len(previous)] != previous:
                     event = "compaction" if compacted else cfg.context
-                sampling = Sampling(
-                    temperature=cfg.temperature,
-                    max_tokens=cfg.max_tokens,
-                    seed=call_seed(spec.seed, spec.execution_id, call_seq),
-                    stop_token_ids=cfg.stop_token_ids,
-                )
-                started = time.time()
-                completion = await self.generator.generate(
-                    GenerationRequest(
-                        f"{spec.execution_id}.{call_seq}", prompt, sampling, execution_id=spec.execution_id
+                if stored is not None:  # a call the predecessor made: replay it, publish nothing
+                    completion = _replayed(stored, prompt)
+                    result = await env.replay(Action.from_ids(completion.token_ids, self.tokenizer))
+                    out.resumed_calls = call_seq + 1
+                else:
+                    completion, result, started = await self._call(spec, env, call_seq, prompt)
+                    await self.sink.publish_step(
+                        step_event(spec, call_seq, prompt, completion, result.progress, event, started)
                     )
-                )
-                result = await env.step(Action.from_ids(completion.token_ids, self.tokenizer))
                 out.num_calls = call_seq + 1
                 out.num_migrations += completion.num_migrations
                 out.tokens_generated += len(completion.token_ids)
                 out.completions.append(completion.token_ids)
-                await self.sink.publish_step(
-                    step_event(spec, call_seq, prompt, completion, result.progress, event, started)
-                )
                 conv.add_turn(completion.token_ids, result.messages)
                 previous = prompt + completion.token_ids
                 if result.done:
@@ -241,13 +256,53 @@ class Agent:
             out.progress = env.progress
         except Exception as exc:  # the agent's one boundary: the execution fails, the service lives on
             log.exception("execution %s failed", spec.execution_id)
-            out.kind, out.error, out.progress = E.KIND_FAILED, repr(exc), env.progress
+            reason = f"could not resume: {exc}" if isinstance(exc, ResumeDiverged) else repr(exc)
+            out.kind, out.error, out.progress = E.KIND_FAILED, reason, env.progress
         finally:
             await env.close()
         await self.sink.publish_execution(
             self._execution_event(spec, out.kind, out.progress, out.num_calls, out.reward, out.error)
         )
         return out
+
+    async def _call(
+        self, spec: ExecutionSpec, env: Environment, call_seq: int, prompt: list[int]
+    ) -> tuple[Completion, StepResult, float]:
+        """One new LLM call and the environment's answer; returns them and when the call started."""
+        cfg = self.config
+        sampling = Sampling(
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            seed=call_seed(spec.seed, spec.execution_id, call_seq),
+            stop_token_ids=cfg.stop_token_ids,
+        )
+        started = time.time()
+        completion = await self.generator.generate(
+            GenerationRequest(
+                f"{spec.execution_id}.{call_seq}", prompt, sampling, execution_id=spec.execution_id
+            )
+        )
+        return completion, await env.step(Action.from_ids(completion.token_ids, self.tokenizer)), started
+
+
+def _replayed(stored: events_pb2.StepEvent, prompt: list[int]) -> Completion:
+    """The completion of a stored call, after checking that `prompt` (rebuilt by replay) is its prompt."""
+    if list(stored.prompt_token_ids) != prompt:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(prompt, stored.prompt_token_ids, strict=False)) if a != b), None
+        )
+        raise ResumeDiverged(
+            f"replayed prompt of call {stored.call_seq} differs from the stored one "
+            f"({len(prompt)} vs {len(stored.prompt_token_ids)} tokens, first difference at "
+            f"{min(len(prompt), len(stored.prompt_token_ids)) if at is None else at})"
+        )
+    return Completion(
+        token_ids=list(stored.completion_token_ids),
+        logprobs=list(stored.completion_logprobs),
+        versions=list(stored.completion_versions),
+        engine_ids=list(stored.engine_ids),
+        num_migrations=stored.num_migrations,
+    )
 
 
 def step_event(

@@ -102,6 +102,20 @@ class RolloutConfig(ConfigModel):
     engine_max_batch: int = Field(
         32, ge=1, description="Sequences one torch engine decodes at once (continuous batching)."
     )
+    engine_max_restarts: int = Field(
+        3,
+        ge=0,
+        description=(
+            "Times a crashed torch engine is restarted on the same device while the rollout keeps "
+            "serving (its requests resume on the other engines meanwhile); one more crash on that "
+            "device takes the rollout process down, and its supervisor restarts it. 0: the first crash does."
+        ),
+    )
+    engine_restart_backoff_s: float = Field(
+        1.0,
+        ge=0.0,
+        description="Seconds before the first restart of a crashed engine; doubled for each further one.",
+    )
     model: ModelConfig = Field(
         default_factory=lambda: ModelConfig.model_validate({}),
         description="Model architecture (must match the trainer's).",

@@ -7,10 +7,13 @@ This is what bounds rollout to the data the trainer can take within the stalenes
 (AReaL-style), instead of flooding the pipeline with executions nobody will train on.
 
 Restarts: group ids are `<task>-g<n>` in the first process of a run and `<task>-r<k>g<n>` in its
-k-th restart (`incarnation`, from GYRE_INCARNATION, which the supervisor sets). A restarted process
-therefore never reuses the id of an execution its predecessor started: the steps of those are
-stored under their own ids, `end_orphaned_executions` ends each with a FAILED event (so it is
-scored as unfinished, from its progress, never as if complete), and the new groups run again.
+k-th restart (`incarnation`, from GYRE_INCARNATION, which the supervisor sets), so a restarted
+process never reuses the id of a group its predecessor started. What the predecessor left running
+is resumed (`resume`, services/rollout/resume.py): the same execution ids continue from their stored
+calls, and the boot start skips every task that has a resumed group (its next group starts when that
+one ends, as it would have). An execution that cannot resume (an environment that is not
+`resumable`, the external harness) is ended FAILED with the reason, scored as unfinished from its
+progress, and its task runs again in a new group.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from gyre.v1 import events_pb2
 
 from .agent import Agent, ExecutionOutcome, ExecutionSpec
 from .environments.base import Environment, TaskFamily
+from .resume import ResumePlan, end_unresumable, resumed_event
+from .steps import StepSink
 
 
 class ExecutionRunner(Protocol):
@@ -40,6 +45,7 @@ class ExecutionCounters:
     completed: int = 0
     interrupted: int = 0  # FAILED: the agent or environment crashed (never a migration)
     migrations: int = 0
+    resumed: int = 0  # executions a predecessor process left running, continued by this one
 
 
 class ExecutionManager:
@@ -73,6 +79,7 @@ class ExecutionManager:
         self.groups_started = 0
         self._admission = asyncio.Condition()
         self._waiting: set[asyncio.Task[None]] = set()
+        self.resumed_tasks: set[str] = set()  # tasks with a group resumed from a predecessor
 
     def groups_allowed(self) -> int | None:
         """Groups that may have been started in total at the current version; None: unbounded
@@ -112,13 +119,53 @@ class ExecutionManager:
             ids.append(spec.execution_id)
         return ids
 
-    def start(self, num_tasks: int, group_size: int) -> list[str]:
-        return [e for t in self.family.task_ids(num_tasks) for e in self.start_group(t, group_size)]
+    def start(self, num_tasks: int, group_size: int, *, skip_resumed: bool = False) -> list[str]:
+        """Start one group per task of the first `num_tasks`; `skip_resumed`: not for tasks that have a
+        resumed group (the boot start of a restarted process)."""
+        tasks = [t for t in self.family.task_ids(num_tasks) if not (skip_resumed and t in self.resumed_tasks)]
+        return [e for t in tasks for e in self.start_group(t, group_size)]
 
-    async def _run(self, spec: ExecutionSpec, group_size: int) -> ExecutionOutcome:
+    async def resume(self, plan: ResumePlan, sink: StepSink, group_size: int) -> tuple[list[str], list[str]]:
+        """Continue every execution of `plan` under its own id (RESUMED event, then the agent replays
+        its stored calls and goes on), or end it FAILED with the reason it cannot resume.
+        Returns (resumed ids, ended ids)."""
+        resumed, ended = [], []
+        for point in plan.points:
+            spec = point.spec(self.seed)
+            env = self.family.make(spec.task_id)
+            reason = ""
+            if not isinstance(self.agent, Agent):
+                reason = "the external harness cannot resume: its agent process and state are the user's"
+            elif not env.resumable:
+                reason = f"environment {env.name!r} cannot resume (not deterministic under replay)"
+            if reason:
+                await end_unresumable(sink, point.started, f"rollout process died; {reason}")
+                ended.append(spec.execution_id)
+                continue
+            await sink.publish_execution(resumed_event(point, self.incarnation))
+            self.resumed_tasks.add(spec.task_id)
+            self.counters.resumed += 1
+            self.live[spec.execution_id] = asyncio.create_task(
+                self._run(spec, group_size, env=env, resume_from=point.steps), name=spec.execution_id
+            )
+            resumed.append(spec.execution_id)
+        return resumed, ended
+
+    async def _run(
+        self,
+        spec: ExecutionSpec,
+        group_size: int,
+        *,
+        env: Environment | None = None,
+        resume_from: list[events_pb2.StepEvent] | None = None,
+    ) -> ExecutionOutcome:
         async with self._slots:
             self.counters.started += 1
-            out = await self.agent.run(spec, self.family.make(spec.task_id))
+            env = env or self.family.make(spec.task_id)
+            if resume_from is not None and isinstance(self.agent, Agent):
+                out = await self.agent.run(spec, env, resume_from=resume_from)
+            else:
+                out = await self.agent.run(spec, env)
         self.live.pop(spec.execution_id, None)
         self.counters.migrations += out.num_migrations
         if out.kind == events_pb2.ExecutionEvent.KIND_FAILED:
@@ -144,42 +191,19 @@ class ExecutionManager:
 
 
 async def end_orphaned_executions(
-    bus: Any, sink: Any, run_id: str, *, idle_timeout_s: float = 5.0
+    bus: Any, sink: StepSink, run_id: str, *, idle_timeout_s: float = 5.0
 ) -> list[str]:
-    """End what a killed predecessor left running: every execution of `run_id` with a STARTED event
-    and no end event on the bus gets a FAILED end event ("rollout process died"), published through
-    `sink`, so the trajectory service scores it as unfinished (partial progress) instead of waiting
-    for it forever; its task runs again in a new group of this process. Returns their ids.
-
-    Called by a restarted rollout (incarnation >= 1) before it starts executions. One rollout worker
-    per run (group ids carry no worker): every unended execution of the run is its predecessor's.
-    Idempotent: the event id `<execution_id>.orphaned` is deduplicated by JetStream."""
-    import time
-
-    from gyre.bus import subjects
-
-    started: dict[str, events_pb2.ExecutionEvent] = {}
-    ended: set[str] = set()
-    async for stored in bus.replay(subjects.executions(run_id, "*"), idle_timeout_s=idle_timeout_s):
-        ev = events_pb2.ExecutionEvent.FromString(stored.data)
-        if ev.kind == events_pb2.ExecutionEvent.KIND_STARTED:
-            started[ev.execution_id] = ev
-        else:
-            ended.add(ev.execution_id)
-    orphans = [eid for eid in started if eid not in ended]
-    for eid in orphans:
-        ev = started[eid]
-        await sink.publish_execution(
-            events_pb2.ExecutionEvent(
-                event_id=f"{eid}.orphaned",
-                run_id=ev.run_id,
-                task_id=ev.task_id,
-                group_id=ev.group_id,
-                execution_id=eid,
-                kind=events_pb2.ExecutionEvent.KIND_FAILED,
-                environment=ev.environment,
-                error="rollout process died while the execution ran (ended by its restarted successor)",
-                created_unix_s=time.time(),
-            )
+    """End, without resuming, what a killed predecessor left running: every execution of `run_id`
+    with a STARTED event and no end event on the bus gets a FAILED end event ("rollout process
+    died"), so the trajectory service scores it as unfinished (partial progress) instead of waiting
+    for it forever. Returns their ids. For a rollout that cannot resume anything (the external
+    harness); the service resumes instead (`ExecutionManager.resume`). Idempotent: the event id
+    `<execution_id>.orphaned` is deduplicated by JetStream."""
+    plan = await ResumePlan.load(bus, run_id, idle_timeout_s=idle_timeout_s)
+    for point in plan.points:
+        await end_unresumable(
+            sink,
+            point.started,
+            "rollout process died while the execution ran (ended by its restarted successor)",
         )
-    return orphans
+    return [p.execution_id for p in plan.points]

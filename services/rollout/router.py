@@ -8,6 +8,11 @@ Guarantees:
   on another engine with the tokens so far appended to its prompt (`GenerationRequest.resumed`);
   with no engine left the request is parked until `add_engine` brings one. No request fails
   because of a migration.
+- An engine that dies (`EngineFailed`) is the same path: what it had generated for each request
+  (exact tokens so far) is kept and the request resumes on another engine (counted in
+  `engine_failures` and, when it had tokens, `migrations`). The dead engine stays in `engines`,
+  STOPPED and so never picked, until `replace_engine` puts its restarted successor there
+  (services/rollout/engine_recovery.py) or `remove_engine` drops it.
 - Staleness bound: a generation is started (or resumed) only on an engine whose weight version
   is at least `latest_published - max_staleness`; if no engine qualifies, the request waits
   until one has loaded newer weights. `max_staleness < 0` disables the bound.
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 from gyre.errors import Conflict, NotFound
 
-from .engines.base import Completion, Engine, EngineState, GenerationRequest
+from .engines.base import Completion, Engine, EngineFailed, EngineState, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,7 @@ class RouterStats:
     migrations: int = 0
     migrated_tokens_reprefilled: int = 0
     parked_waits: int = 0
+    engine_failures: int = 0  # generations whose engine died under them (resumed elsewhere)
 
 
 class Router:
@@ -67,6 +73,15 @@ class Router:
         await engine.close()
         await self._notify()
         return engine
+
+    async def replace_engine(self, old: Engine, new: Engine) -> bool:
+        """Put `new` (started) on `old`'s device if `old` is still the engine there; False (nothing
+        changed) when the device was meanwhile removed or given another engine."""
+        if self.engines.get(old.device_id) is not old or new.device_id != old.device_id:
+            return False
+        self.engines[old.device_id] = new
+        await self._notify()
+        return True
 
     async def note_published(self, version: int) -> None:
         """A newer weight version exists (engines will load it); tightens the staleness bound."""
@@ -108,7 +123,12 @@ class Router:
         try:
             while True:
                 engine = await self._pick()
-                part = await engine.generate(current)
+                try:
+                    part = await engine.generate(current)
+                except EngineFailed as exc:  # resume elsewhere from what it generated
+                    self.stats.engine_failures += 1
+                    log.warning("request %s: %s; resuming elsewhere", request.request_id, exc)
+                    part = exc.partial
                 total.extend(part)
                 if part.finish_reason != "cut":
                     self.stats.completed += 1

@@ -4,12 +4,15 @@
             devices: standalone -> an engine on each; with a scheduler -> RegisterWorker, then follow
             gyre.leases.<run>.* and Heartbeat replies (LeaseFollower), ReportLoad every few seconds
             gRPC Rollout (Generate, StartExecutions, GetStatus) + OpenAI-compatible HTTP endpoint
-            executions: num_tasks x group_size at boot (optionally continuous)
+            executions: num_tasks x group_size at boot (optionally continuous); a restarted process
+            (GYRE_INCARNATION >= 1) first resumes what its predecessor left running (resume.py)
     stop:   stop starting executions, let live ones finish (bounded by the drain timeout),
             drain every engine, flush the step publisher
 
 Errors: RPCs go through gyre.rpc.error_boundary; a crashed execution becomes FAILED (agent.py);
-any background loop that dies takes the service down (Runtime.spawn).
+any background loop that dies takes the service down (Runtime.spawn), except a torch engine's: a
+crashed engine's requests resume on the others and it is restarted on its device (engine_recovery.py)
+up to `engine_max_restarts` times.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from gyre.v1 import common_pb2, events_pb2, rollout_pb2, rollout_pb2_grpc, sched
 
 from .agent import Agent, AgentConfig, call_seed
 from .config import RolloutConfig
+from .engine_recovery import EngineRestarter
 from .engines.base import Engine, GenerationRequest, Sampling
 from .environments.base import TaskFamily
-from .executions import ExecutionManager, end_orphaned_executions
+from .executions import ExecutionManager
 from .leases import EngineDevices
+from .resume import ResumePlan
 from .router import Router
 from .steps import BusStepSink
 from .weights import WeightSwapper
@@ -128,6 +133,7 @@ class RolloutService(Service):
             max_version_ahead=cfg.weights_max_version_ahead,
         )
         self.state = common_pb2.SERVICE_STATE_STARTING
+        self.restarter: EngineRestarter | None = None  # set in start(): crashed engines come back
         self._engine_seq = 0
         # Busy seconds last read from each engine this worker ran, lent-away ones included (WorkerLoad).
         self._busy_s_by_engine: dict[str, float] = {}
@@ -168,15 +174,27 @@ class RolloutService(Service):
             initial_weights=self.swapper.latest,
             init_weights=self.cfg.init_weights,
             pacer=self.pacer,
+            on_failure=self.restarter.on_failure if self.restarter is not None else None,
         )
 
-    async def start_engine(self, device_id: str) -> None:
-        if device_id in self.router.engines:
-            return
+    async def _started_engine(self, device_id: str) -> Engine:
+        """A new engine on `device_id`, started, with the newest weights this rollout has loaded."""
         engine = self._new_engine(device_id)
         await engine.start()
         if self.swapper.latest is not None:
             await engine.load_weights(self.swapper.latest)
+        return engine
+
+    async def _catch_up(self, engine: Engine) -> None:
+        """Load a version published while `engine` was starting (nothing if it has the newest)."""
+        latest = self.swapper.latest
+        if latest is not None and engine.weight_version < latest.version:
+            await engine.load_weights(latest)
+
+    async def start_engine(self, device_id: str) -> None:
+        if device_id in self.router.engines:
+            return
+        engine = await self._started_engine(device_id)
         await self.router.add_engine(engine)
         log.info("engine %s serving on %s (weights v%d)", engine.engine_id, device_id, engine.weight_version)
 
@@ -191,6 +209,10 @@ class RolloutService(Service):
     async def start(self, rt: Runtime) -> None:
         cfg, run_id = self.cfg, self.common.run_id
         self.rt = rt
+        self.restarter = EngineRestarter(
+            self.router, self._started_engine, rt.spawn, max_restarts=cfg.engine_max_restarts,
+            backoff_s=cfg.engine_restart_backoff_s, catch_up=self._catch_up,
+        )  # fmt: skip
         self.sink = BusStepSink(rt.bus, max_buffer=cfg.step_buffer, vocab_size=cfg.model.vocab_size)
         rt.spawn(self.sink.run(), "step-publisher")
         from gyre.tokenizers import load_tokenizer
@@ -264,17 +286,27 @@ class RolloutService(Service):
                 key_dir / "openai_api_key" if cfg.openai_api_key is None else "rollout.openai_api_key",
                 key_dir / "openai_admin_key" if cfg.openai_admin_key is None else "rollout.openai_admin_key",
             )  # fmt: skip
-        if self.executions.incarnation:  # restarted: end what the killed predecessor left running
-            try:
-                orphans = await end_orphaned_executions(rt.bus, self.sink, run_id)
-            except Exception as exc:  # the trajectory still scores them once a group member ends
-                log.warning("could not end the executions of the previous rollout process: %r", exc)
-            else:
-                self.executions.counters.interrupted += len(orphans)
-                log.info("ended %d executions the previous rollout process left running", len(orphans))
+        if self.executions.incarnation:  # restarted: resume what the killed predecessor left running
+            await self._resume_predecessors(rt)
         if cfg.num_tasks:
-            self.executions.start(cfg.num_tasks, cfg.group_size)
+            self.executions.start(cfg.num_tasks, cfg.group_size, skip_resumed=True)
         self.state = common_pb2.SERVICE_STATE_SERVING
+
+    async def _resume_predecessors(self, rt: Runtime) -> None:
+        """Resume (or end, with the reason) every execution the previous process of this worker left
+        running (services/rollout/resume.py). A bus that cannot be read leaves them to the
+        trajectory service, which scores an unended execution as partial once its group waited."""
+        try:
+            plan = await ResumePlan.load(rt.bus, self.common.run_id)
+        except Exception as exc:
+            log.warning("could not read the executions of the previous rollout process: %r", exc)
+            return
+        resumed, ended = await self.executions.resume(plan, self.sink, self.cfg.group_size)
+        self.executions.counters.interrupted += len(ended)
+        log.info(
+            "previous rollout process left %d executions running: %d resumed, %d ended",
+            len(plan.points), len(resumed), len(ended),
+        )  # fmt: skip
 
     async def _join_scheduler(self, rt: Runtime) -> None:
         """Become a worker of the pool: engines start and stop as the scheduler's leases say."""
@@ -347,6 +379,8 @@ class RolloutService(Service):
             executions_started=c.started,
             executions_completed=c.completed,
             executions_interrupted=c.interrupted,
+            executions_resumed=c.resumed,
+            engine_restarts=self.restarter.num_restarts if self.restarter is not None else 0,
             migrations=self.router.stats.migrations,
             state=self.state,  # type: ignore[arg-type]
         )

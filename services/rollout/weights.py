@@ -36,6 +36,7 @@ from gyre.errors import GyreError, InvalidArgument
 from gyre.model.weights import sha256_file
 from gyre.v1 import common_pb2, events_pb2
 
+from .engines.base import EngineState
 from .router import Router
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,12 @@ class WeightSwapper:
                 raise
             await self.router.note_published(weights.version)
             results = await asyncio.gather(
-                *(e.load_weights(weights) for e in list(self.router.engines.values())), return_exceptions=True
+                *(
+                    e.load_weights(weights)
+                    for e in list(self.router.engines.values())
+                    if e.state is not EngineState.STOPPED  # a dead engine waiting for its restart
+                ),
+                return_exceptions=True,
             )
             failures = [r for r in results if isinstance(r, BaseException)]
             for failure in failures:

@@ -61,3 +61,27 @@ async def test_collector_records_events_before_and_after_it_starts_once_each(
     step_record = next(r for r in records if r["type"] == "StepEvent")
     assert step_record["event"]["completion_version_counts"] == {"1": 2}
     assert all(r["event"]["run_id"] == run_id for r in records)
+
+
+def test_a_resumed_runs_log_continues_the_old_one_each_event_once_and_a_torn_line_is_cut(tmp_path) -> None:
+    from app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, read_events
+
+    path = tmp_path / EVENT_LOG_NAME
+
+    def rec(event_id: str) -> dict:
+        return {
+            "type": "WeightsPublishedEvent",
+            "subject": "s",
+            "recv_unix_s": 1.0,
+            "event": {"event_id": event_id},
+        }
+
+    with EventLogWriter(path) as first:
+        assert first.write(rec("a")) and first.write(rec("b"))
+    with path.open("a") as fh:
+        fh.write('{"type": "WeightsPublishedEvent", "event": {"event_id": "c"')  # killed mid-write
+    with EventLogWriter(path) as resumed:  # the collector of the resumed run replays the bus from its start
+        assert not resumed.write(rec("a")) and not resumed.write(rec("b"))
+        assert resumed.write(rec("c")) and resumed.write(rec("d"))
+    assert [r["event"]["event_id"] for r in read_events(path)] == ["a", "b", "c", "d"]
+    assert path.read_text().count("\n") == 4

@@ -6,6 +6,11 @@ after `fail_after_steps` decode steps. Everything else is real: the engine loop,
 (gyre.service.supervise), the lifecycle, NATS, Postgres and gRPC health. Once serving it submits
 `num_requests` generations and prints, for each, `REQUEST <i> <outcome>` when it is answered, so a
 test sees that every pending request failed with an error instead of hanging.
+
+`python tests/ops/engine_fault_service.py --rollout --config run.yaml` runs the real rollout service
+instead (services/rollout/service.py, every part of it), except that the first engine it starts on
+its first device is a `FaultyTorchEngine` (`GYRE_TEST_FAIL_AFTER_STEPS` decode steps, default 20):
+the rollout must live on, its restarter bringing the engine back.
 """
 
 from __future__ import annotations
@@ -74,7 +79,36 @@ def _factory(common: CommonConfig, config: FaultConfig) -> EngineFaultService:
     return EngineFaultService(config)
 
 
+def _faulty_rollout(common: CommonConfig, config: Any) -> Service:
+    """The real rollout service whose first engine is faulty (the edge: its decode step)."""
+    import os
+
+    from services.rollout.engines.base import Engine
+    from services.rollout.service import RolloutService
+
+    fail_after = int(os.environ.get("GYRE_TEST_FAIL_AFTER_STEPS", "20"))
+
+    class FaultyFirstEngineRollout(RolloutService):
+        def _new_engine(self, device_id: str) -> Engine:
+            engine = super()._new_engine(device_id)
+            if self._engine_seq > 1 or not isinstance(engine, TorchEngine):
+                return engine
+            return FaultyTorchEngine(
+                fail_after, engine.engine_id, device_id, engine.model_config, max_batch=engine.max_batch,
+                init_seed=engine.init_seed, on_failure=engine.on_failure,
+            )  # fmt: skip
+
+    return FaultyFirstEngineRollout(common, config)
+
+
 if __name__ == "__main__":
+    if "--rollout" in sys.argv:
+        from services.rollout.config import RolloutConfig
+
+        argv = [a for a in sys.argv[1:] if a != "--rollout"]
+        raise SystemExit(
+            run_service("rollout", RolloutConfig, _faulty_rollout, migrations_dir=None, argv=argv)
+        )
     raise SystemExit(
         run_service("enginefault", FaultConfig, _factory, migrations_dir=None, argv=sys.argv[1:])
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.chaos import count_double_leases, plan_faults
+from app.chaos import count_double_leases, execution_fates, plan_faults
 from app.job.report import OUTCOME_NAME, build_report, headline, incomplete_reason
 from tests.job.conftest import write_synthetic_run
 
@@ -42,6 +42,34 @@ def test_a_handoff_through_release_is_not_a_double_lease_but_an_overlapping_acqu
     assert count_double_leases(handoff) == 0
     assert count_double_leases(overlap) == 1
     assert count_double_leases(stale) == 1  # an epoch that does not grow is a fencing failure
+
+
+def _ex(eid: str, kind: str, at: float) -> dict:
+    return {"execution_id": eid, "kind": kind, "created_unix_s": at}
+
+
+def test_executions_live_at_a_rollout_kill_are_counted_resumed_restarted_or_unended() -> None:
+    kill = 10.0
+    events = [
+        _ex("done-before", "KIND_STARTED", 1), _ex("done-before", "KIND_FINISHED", 5),
+        _ex("resumed", "KIND_STARTED", 2), _ex("resumed", "KIND_RESUMED", 12), _ex("resumed", "KIND_TRUNCATED", 20),
+        _ex("ended", "KIND_STARTED", 3), _ex("ended", "KIND_FAILED", 12),  # ended by the successor
+        _ex("resumed-failed", "KIND_STARTED", 3), _ex("resumed-failed", "KIND_RESUMED", 12),
+        _ex("resumed-failed", "KIND_FAILED", 13),  # "could not resume": not saved
+        _ex("stuck", "KIND_STARTED", 4),
+        _ex("after", "KIND_STARTED", 11), _ex("after", "KIND_FINISHED", 15),
+    ]  # fmt: skip
+    fates = execution_fates(events, [kill])
+    assert fates == {
+        "resumed": "resumed",
+        "ended": "restarted",
+        "resumed-failed": "restarted",
+        "stuck": "unended",
+    }
+    # resumed at an earlier kill, then killed again and not resumed after the second one
+    twice = execution_fates([*events, _ex("x", "KIND_STARTED", 1), _ex("x", "KIND_RESUMED", 11),
+                             _ex("x", "KIND_FAILED", 31)], [kill, 30.0])  # fmt: skip
+    assert twice["x"] == "restarted" and twice["resumed"] == "resumed"
 
 
 def test_faults_are_spread_over_the_run_in_order_and_before_its_last_two_steps() -> None:
@@ -108,6 +136,10 @@ def test_a_job_whose_rollout_is_killed_restarts_it_and_completes_losing_nothing(
     for counter in ("steps_lost", "paths_trained_twice", "batches_lost", "double_leases", "executions_lost"):
         assert result[counter] == 0, (counter, result)
     assert result["steps_stored"] >= result["steps_emitted"] > 0
+    live = result["executions_live_at_kill"]
+    assert result["executions_resumed"] + result["executions_restarted"] <= live
+    if live:  # the kill found executions running: they resume under their own ids and finish
+        assert result["executions_resumed"] >= 0.95 * live, result
     stats = json.loads((tmp_path / "run" / "final_stats.json").read_text())
     assert "executions_started" in stats["rollout"]  # the rollout's counters, read before it stopped
     report = (tmp_path / "run" / "report.md").read_text()

@@ -194,7 +194,7 @@ def test_an_engine_whose_loop_raises_fails_its_pending_requests_and_its_service_
     answered = [line for line in proc.stdout.splitlines() if line.startswith("REQUEST ")]
     assert "GYRE_READY enginefault" in proc.stdout
     assert len(answered) == 4, proc.stdout + proc.stderr
-    assert all(" failed Unavailable: " in line and "injected decode fault" in line for line in answered)
+    assert all(" failed EngineFailed: " in line and "injected decode fault" in line for line in answered)
     assert proc.returncode == 1
     assert "shutting the service down" in proc.stderr + proc.stdout
 

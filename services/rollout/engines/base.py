@@ -20,7 +20,7 @@ import abc
 import enum
 from dataclasses import dataclass, field, replace
 
-from gyre.errors import InvalidArgument
+from gyre.errors import InvalidArgument, Unavailable
 from gyre.tokenizer import EOS
 from gyre.v1 import common_pb2
 
@@ -92,6 +92,17 @@ class Completion:
         self.versions += part.versions
         self.finish_reason = part.finish_reason
         self.engine_ids += [e for e in part.engine_ids if not self.engine_ids or e != self.engine_ids[-1]]
+
+
+class EngineFailed(Unavailable):
+    """The engine died (its loop raised) while it held a request, or before the request came in.
+
+    `partial` is what the engine had generated for the request (exact tokens, log-probs, versions,
+    finish_reason "cut"): the router resumes it on another engine from there, as a migration."""
+
+    def __init__(self, message: str, partial: Completion) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 class Engine(abc.ABC):

@@ -22,15 +22,20 @@ generated again where it resumes, from the same seed). A new weight version stal
 
 Failure: a prompt that is not a list of int token ids inside the vocabulary is refused in
 `generate` (InvalidArgument) before it reaches the loop. If the loop still raises, every request
-queued or running fails with Unavailable naming the error, later requests fail the same way at
-once, the engine is STOPPED, and the loop task is handed to `gyre.service.supervise`: the service
-goes NOT_SERVING and exits 1 so its supervisor restarts it (never a zombie that says SERVING).
+queued or running fails with `EngineFailed` (an Unavailable naming the error, carrying what was
+generated so far, so the router resumes it elsewhere as a migration; a request already complete
+is answered), later requests fail the same way at once, and the engine is STOPPED. Who hears of
+it: with `on_failure` (the rollout service's engine restarter, services/rollout/engine_recovery.py)
+that callback, which restarts the engine while the service lives on; without it, the loop task is
+handed to `gyre.service.supervise`: the service goes NOT_SERVING and exits 1 so its supervisor
+restarts it (never a zombie that says SERVING).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +47,7 @@ from gyre.pacing import Pacer
 from gyre.service import supervise
 from gyre.v1 import common_pb2
 
-from .base import Completion, Engine, EngineState, GenerationRequest
+from .base import Completion, Engine, EngineFailed, EngineState, GenerationRequest
 from .sampling import sample_token
 
 log = logging.getLogger(__name__)
@@ -78,8 +83,10 @@ class TorchEngine(Engine):
         initial_weights: common_pb2.WeightVersion | None = None,
         init_weights: str | None = None,
         pacer: Pacer | None = None,
+        on_failure: Callable[[TorchEngine, BaseException], None] | None = None,
     ) -> None:
         self.engine_id, self.device_id = engine_id, device_id
+        self.on_failure = on_failure  # None: a loop failure is fatal to the service (module doc)
         self.model_config = model_config or ModelConfig.model_validate({})
         self.torch_device = torch.device(torch_device)
         self.max_batch = max_batch
@@ -150,9 +157,19 @@ class TorchEngine(Engine):
             await asyncio.to_thread(load_initial_weights, self._model, self.init_weights)
         if self._initial is not None and self._initial.version > 0:
             await asyncio.to_thread(self._load, self._initial)
-        self._task = supervise(
-            asyncio.create_task(self._loop(), name=f"engine-{self.engine_id}"), f"engine-{self.engine_id}"
-        )
+        task = asyncio.create_task(self._loop(), name=f"engine-{self.engine_id}")
+        if self.on_failure is None:
+            self._task = supervise(task, f"engine-{self.engine_id}")
+        else:
+            self._task = task
+            task.add_done_callback(self._report_failure)
+
+    def _report_failure(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None or self.on_failure is None:
+            return
+        exc = task.exception()
+        assert exc is not None
+        self.on_failure(self, exc)
 
     def _check_prompt(self, request: GenerationRequest) -> None:
         """InvalidArgument unless the prompt is a list of int token ids in [0, vocab_size)."""
@@ -170,7 +187,10 @@ class TorchEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> Completion:
         if self._failure is not None:
-            raise Unavailable(f"engine {self.engine_id} failed: {self._failure!r}")
+            raise EngineFailed(
+                f"engine {self.engine_id} failed: {self._failure!r}",
+                Completion(finish_reason="cut", engine_ids=[self.engine_id]),
+            )
         if self._state is not EngineState.SERVING or self._task is None:
             return Completion(
                 finish_reason="cut", engine_ids=[self.engine_id]
@@ -255,8 +275,14 @@ class TorchEngine(Engine):
                 log.error("engine %s loop failed: %r", self.engine_id, exc)
             self._state = EngineState.STOPPED
             for seq in self._queue + self._running:
-                if not seq.future.done():
-                    seq.future.set_exception(Unavailable(f"engine {self.engine_id} failed: {exc!r}"))
+                if seq.future.done():
+                    continue
+                if seq.finished in {"stop", "length"}:  # complete: answer it (a paced deadline is moot now)
+                    seq.out.finish_reason = seq.finished
+                    seq.future.set_result(seq.out)
+                    continue
+                seq.out.finish_reason = "cut"
+                seq.future.set_exception(EngineFailed(f"engine {self.engine_id} failed: {exc!r}", seq.out))
             self._queue, self._running = [], []
             self._note_idle()
             for _weights, done in self._pending_weights:

@@ -78,6 +78,10 @@ class Environment(abc.ABC):
 
     name: ClassVar[str]
     task_id: str
+    # True: a fresh instance given the same task and the same actions (through `replay`) answers
+    # them exactly as the first instance did, so a restarted rollout can resume the execution by
+    # replaying its stored actions (services/rollout/resume.py). False: it is ended instead.
+    resumable: ClassVar[bool] = False
 
     @abc.abstractmethod
     async def reset(self) -> list[dict[str, Any]]:
@@ -86,6 +90,12 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     async def step(self, action: Action) -> StepResult:
         """Apply one action; never raises for a bad action (that is an observation), only for crashes."""
+
+    async def replay(self, action: Action) -> StepResult:
+        """Apply an action the execution already took before a restart (resume by replay). Default:
+        `step`. An environment overrides it to skip what only mattered the first time (modelled
+        tool latency); the result must be the one `step` gave then."""
+        return await self.step(action)
 
     @property
     @abc.abstractmethod

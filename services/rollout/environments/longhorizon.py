@@ -115,6 +115,7 @@ def oracle_reward(spec: LongHorizonSpec, task: LongHorizonTask) -> float:
 
 class LongHorizonEnv(Environment):
     name = "longhorizon"
+    resumable = True  # a pure function of the task and the actions: resumes by action replay
 
     def __init__(self, spec: LongHorizonSpec, task: LongHorizonTask) -> None:
         self.spec, self.task, self.task_id = spec, task, task.task_id

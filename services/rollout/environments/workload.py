@@ -66,6 +66,7 @@ def target_hit(token_ids: list[int]) -> bool:
 
 class WorkloadEnv(Environment):
     name = "workload"
+    resumable = True  # plan fixed by the execution id; replay skips the modelled tool latency
 
     def __init__(self, family: WorkloadFamily, task_id: str, task_index: int) -> None:
         self.family, self.task_id, self.task_index = family, task_id, task_index
@@ -108,7 +109,7 @@ class WorkloadEnv(Environment):
             extra={"turns": float(self.turn), "modeled_context_tokens": self.context},
         )
 
-    async def step(self, action: Action) -> StepResult:
+    async def step(self, action: Action, *, wait: bool = True) -> StepResult:
         if self.plan is None:
             raise RuntimeError("workload environment: step() before reset()")
         self.hits += target_hit(action.token_ids)
@@ -118,10 +119,14 @@ class WorkloadEnv(Environment):
         if self.turn >= self.num_turns:
             self.family.pacer.turns.pop(self.execution_id, None)
             return StepResult([], self.progress, done=True, reward=self.hits / self.num_turns)
-        if latency > 0:
+        if latency > 0 and wait:
             await asyncio.sleep(latency / self.family.time_scale)
         self._announce()
         return StepResult([self._message()], self.progress)
+
+    async def replay(self, action: Action) -> StepResult:
+        """The turn as `step` took it, without waiting its tool latency again."""
+        return await self.step(action, wait=False)
 
     async def close(self) -> None:
         self.family.pacer.turns.pop(self.execution_id, None)

@@ -150,6 +150,9 @@ def _passed_tests(report: Path) -> int:
 
 class WorkspaceEnv(Environment):
     name = "workspace"
+    # Resumes by replaying the tool calls into a fresh workspace: exact for file tools; a `run` whose
+    # output differs the second time fails the resume's prompt check and ends the execution instead.
+    resumable = True
 
     def __init__(self, task: WorkspaceTask, limits: SandboxLimits | None = None) -> None:
         self.task, self.task_id = task, task.task_id

@@ -1,0 +1,106 @@
+"""`gyre run --resume`: a job whose every process was SIGKILLed midway (as if the machine went down)
+continues on its run directory to its target step, training no batch twice, with one report.
+
+Real everything: `gyre run` on the quickstart (every service its own process, embedded NATS and
+Postgres on the run_dir's data). The kill is the outermost edge: SIGKILL to the launcher, every
+process under it, and the embedded servers found by their data directory in the run_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from app.chaos import final_trainer_state
+from app.job.eventlog import read_events
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+
+
+def _gyre_run(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "app.cli", "run", "examples/quickstart.yaml", "--steps", str(STEPS),
+            "--run-dir", str(run_dir), *extra]  # fmt: skip
+
+
+def _versions(run_dir: Path) -> list[int]:
+    if not (run_dir / "events.jsonl").is_file():
+        return []
+    return [
+        int(r["event"].get("weights", {}).get("version", 0))
+        for r in read_events(run_dir / "events.jsonl")
+        if r["type"] == "WeightsPublishedEvent"
+    ]
+
+
+def _kill_everything(launcher: subprocess.Popen[bytes], run_dir: Path) -> int:
+    """SIGKILL the launcher, its descendants and any process whose command line names the run_dir
+    (the embedded Postgres daemonises away from the launcher), with theirs. Returns how many."""
+    roots = [psutil.Process(launcher.pid)]
+    for p in psutil.process_iter(["cmdline"]):
+        if str(run_dir) in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
+            roots.append(p)
+    victims: dict[int, psutil.Process] = {}
+    for root in roots:
+        try:
+            for p in [root, *root.children(recursive=True)]:
+                victims[p.pid] = p
+        except psutil.NoSuchProcess:
+            continue
+    for p in victims.values():
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(list(victims.values()), timeout=30)
+    return len(victims)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_job_killed_whole_midway_resumes_to_its_target_step_training_no_batch_twice(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    first = subprocess.Popen(_gyre_run(run_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 900
+        while max(_versions(run_dir), default=0) < 2 and first.poll() is None:
+            assert time.monotonic() < deadline, "the first run never reached step 2"
+            time.sleep(0.5)
+        assert first.poll() is None, "the first run ended before it could be killed"
+        killed_at = max(_versions(run_dir))
+        assert killed_at < STEPS
+        assert _kill_everything(first, run_dir) >= 6  # launcher, NATS, Postgres, 4 services at least
+    finally:
+        if first.poll() is None:
+            first.kill()
+    resumed = subprocess.run(
+        _gyre_run(run_dir, "--resume"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming run" in resumed.stdout
+
+    records = read_events(run_dir / "events.jsonl")
+    keys = Counter(f"{r['type']}:{r['event'].get('event_id', '')}" for r in records)
+    assert max(keys.values()) == 1  # one log of the whole run, each event once
+    versions = sorted(set(_versions(run_dir)))
+    assert versions[:STEPS] == list(range(1, STEPS + 1))  # the step count continued from the kill
+    trained = final_trainer_state(run_dir).get("trained_batch_ids", [])
+    assert trained and max(Counter(trained).values()) == 1  # no batch trained twice
+    starts = json.loads((run_dir / "service_starts.json").read_text())
+    assert starts["rollout"] >= 2 and starts["trainer"] >= 2
+    executions = [r["event"] for r in records if r["type"] == "ExecutionEvent"]
+    assert any(e.get("kind") == "KIND_RESUMED" for e in executions)  # live executions went on
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["completed"] is True
+    assert len(json.loads((run_dir / "job_segments.json").read_text())) == 1  # the killed one wrote none
