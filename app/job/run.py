@@ -33,7 +33,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -250,6 +250,7 @@ async def drive(
     *,
     started: float,
     sidecar: Callable[[Any], Coroutine[Any, Any, None]] | None = None,
+    listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
 ) -> JobOutcome:
     """Record events, keep executions live and wait for the last step (see the module docstring).
 
@@ -264,6 +265,8 @@ async def drive(
     tracker = RunTracker(job.num_steps, common.run_id)
     collector = EventCollector(bus, common.run_id, run_dir)
     collector.on_event(tracker.update)
+    for listener in listeners:  # e.g. the metrics sinks (app/job/tracking.py)
+        collector.on_event(listener)
     tasks: list[asyncio.Task[Any]] = []
     outcome = JobOutcome(False, "")
     next_resync = time.monotonic() + RESYNC_INTERVAL_S
@@ -365,6 +368,7 @@ def run_job(
     config_path: Path, *, policy: str | None = None, steps: int | None = None, run_dir: Path | None = None
 ) -> int:
     """Run one job end to end (see the module docstring); return the exit status."""
+    from app.job import tracking
     from app.job.report import headline
     from app.launcher.deployment import Deployment, DeploymentError
 
@@ -384,6 +388,10 @@ def run_job(
         flush=True,
     )
     started = time.time()
+    recorder = tracking.open_for_job(
+        job, common.run_id, out_dir, {"policy": policy_name, "steps": job.num_steps}
+    )
+    listeners = [recorder.on_record] if recorder is not None else []
     try:
         service_args, extra_env = service_wiring(raw)
         with Deployment(
@@ -396,10 +404,11 @@ def run_job(
             print(
                 f"deployment up in {time.time() - started:.1f} s; endpoints in {out_dir / 'endpoints.json'}"
             )
-            outcome = asyncio.run(drive(dep, common, job, out_dir, started=started))
+            outcome = asyncio.run(drive(dep, common, job, out_dir, started=started, listeners=listeners))
     except DeploymentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if not (out_dir / "events.jsonl").is_file():
+            tracking.finish_for_job(recorder, None, out_dir)
             return 1
         outcome = JobOutcome(False, f"deployment failed: {exc.service}")
     wall_s = time.time() - started
@@ -408,7 +417,9 @@ def run_job(
         report = finish_run(out_dir, outcome, wall_s=wall_s, seed=common.seed)
     except ValueError as exc:
         print(f"error: no report: {exc}", file=sys.stderr)
+        tracking.finish_for_job(recorder, None, out_dir)
         return 1
+    tracking.finish_for_job(recorder, report.analysis, out_dir)
     _print_headline(headline(report.analysis, None if outcome.reached_steps else outcome.reason))
     tps = report.analysis.time_per_step_s
     print(
