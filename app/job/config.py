@@ -62,3 +62,10 @@ class JobConfig(ConfigModel):
         description="W&B mode: offline writes the run to disk only (no network, no account; `wandb sync` "
         "uploads it later); online logs to the server WANDB_API_KEY / WANDB_BASE_URL name.",
     )
+    ui_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve the dashboard (app/ui/) on 127.0.0.1 at this port while the job runs (0 = any "
+        "free port); None: not served by the job (`gyre ui RUN_DIR` serves it during or after the run).",
+    )

@@ -370,7 +370,9 @@ def run_job(
     """Run one job end to end (see the module docstring); return the exit status."""
     from app.job import tracking
     from app.job.report import headline
+    from app.job.trees import export_trees
     from app.launcher.deployment import Deployment, DeploymentError
+    from app.ui.server import serve_for_job
 
     raw = effective_config(config_path, policy=policy, steps=steps, run_dir=run_dir)
     common = load_common(data=raw)
@@ -387,6 +389,7 @@ def run_job(
         f"gyre run: run_id={common.run_id} policy={policy_name} steps={job.num_steps} run_dir={out_dir}",
         flush=True,
     )
+    serve_for_job(out_dir, job.ui_port)  # the dashboard, or how to open it (app/ui/server.py)
     started = time.time()
     recorder = tracking.open_for_job(
         job, common.run_id, out_dir, {"policy": policy_name, "steps": job.num_steps}
@@ -405,6 +408,7 @@ def run_job(
                 f"deployment up in {time.time() - started:.1f} s; endpoints in {out_dir / 'endpoints.json'}"
             )
             outcome = asyncio.run(drive(dep, common, job, out_dir, started=started, listeners=listeners))
+            export_trees(dep.endpoints.database_url, common.run_id, out_dir)  # for `gyre ui` (app/ui/)
     except DeploymentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if not (out_dir / "events.jsonl").is_file():
