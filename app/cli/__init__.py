@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "app.job.run",
         "run a training job from a YAML config (the quickstart: examples/quickstart.yaml)",
     ),
+    "ui": ("app.ui.server", "ui RUN_DIR: read-only web dashboard (curves, device lanes, executions, trees)"),
     "chaos": (
         "app.chaos",
         "run a job while killing each service, NATS and Postgres in turn; print recovery and loss counters",

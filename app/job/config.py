@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from gyre.config import ConfigModel
+from gyre.tracking import SinkName
 
 
 class JobConfig(ConfigModel):
@@ -44,4 +47,25 @@ class JobConfig(ConfigModel):
         3.0,
         ge=0,
         description="Seconds to keep recording after the last step, so in-flight events reach the log before stop.",
+    )
+    tracking: list[SinkName] = Field(
+        default_factory=list,
+        description="Experiment trackers that get the run's metrics, several at once: any of tensorboard, "
+        "wandb, mlflow, jsonl (each under <run_dir>/tracking/<name>/; packages of the `tracking` extra). "
+        "Empty: none besides the run's own events.jsonl.",
+    )
+    tracking_project: str = Field(
+        "gyre", min_length=1, description="W&B project and MLflow experiment name the run is logged under."
+    )
+    wandb_mode: Literal["offline", "online", "disabled"] = Field(
+        "offline",
+        description="W&B mode: offline writes the run to disk only (no network, no account; `wandb sync` "
+        "uploads it later); online logs to the server WANDB_API_KEY / WANDB_BASE_URL name.",
+    )
+    ui_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve the dashboard (app/ui/) on 127.0.0.1 at this port while the job runs (0 = any "
+        "free port); None: not served by the job (`gyre ui RUN_DIR` serves it during or after the run).",
     )

@@ -42,7 +42,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -287,6 +287,7 @@ async def drive(
     *,
     started: float,
     sidecar: Callable[[Any], Coroutine[Any, Any, None]] | None = None,
+    listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
 ) -> JobOutcome:
     """Record events, keep executions live and wait for the last step (see the module docstring).
 
@@ -301,6 +302,8 @@ async def drive(
     tracker = RunTracker(job.num_steps, common.run_id)
     collector = EventCollector(bus, common.run_id, run_dir)
     collector.on_event(tracker.update)
+    for listener in listeners:  # e.g. the metrics sinks (app/job/tracking.py)
+        collector.on_event(listener)
     tasks: list[asyncio.Task[Any]] = []
     outcome = JobOutcome(False, "")
     next_resync = time.monotonic() + RESYNC_INTERVAL_S
@@ -408,8 +411,11 @@ def run_job(
 ) -> int:
     """Run one job end to end, or with `resume` continue the one in its run_dir (module docstring);
     return the exit status."""
+    from app.job import tracking
     from app.job.report import headline
+    from app.job.trees import export_trees
     from app.launcher.deployment import Deployment, DeploymentError
+    from app.ui.server import serve_for_job
 
     raw = effective_config(config_path, policy=policy, steps=steps, run_dir=run_dir)
     common = load_common(data=raw)
@@ -430,7 +436,12 @@ def run_job(
         f"gyre run: run_id={common.run_id} policy={policy_name} steps={job.num_steps} run_dir={out_dir}",
         flush=True,
     )
+    serve_for_job(out_dir, job.ui_port)  # the dashboard, or how to open it (app/ui/server.py)
     started = time.time()
+    recorder = tracking.open_for_job(
+        job, common.run_id, out_dir, {"policy": policy_name, "steps": job.num_steps}
+    )
+    listeners = [recorder.on_record] if recorder is not None else []
     try:
         service_args, extra_env = service_wiring(raw)
         with Deployment(
@@ -443,10 +454,12 @@ def run_job(
             print(
                 f"deployment up in {time.time() - started:.1f} s; endpoints in {out_dir / 'endpoints.json'}"
             )
-            outcome = asyncio.run(drive(dep, common, job, out_dir, started=started))
+            outcome = asyncio.run(drive(dep, common, job, out_dir, started=started, listeners=listeners))
+            export_trees(dep.endpoints.database_url, common.run_id, out_dir)  # for `gyre ui` (app/ui/)
     except DeploymentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if not (out_dir / "events.jsonl").is_file():
+            tracking.finish_for_job(recorder, None, out_dir)
             return 1
         outcome = JobOutcome(False, f"deployment failed: {exc.service}")
     wall_s = record_segment(out_dir, started, time.time())
@@ -455,7 +468,9 @@ def run_job(
         report = finish_run(out_dir, outcome, wall_s=wall_s, seed=common.seed)
     except ValueError as exc:
         print(f"error: no report: {exc}", file=sys.stderr)
+        tracking.finish_for_job(recorder, None, out_dir)
         return 1
+    tracking.finish_for_job(recorder, report.analysis, out_dir)
     _print_headline(headline(report.analysis, None if outcome.reached_steps else outcome.reason))
     tps = report.analysis.time_per_step_s
     print(

@@ -36,6 +36,12 @@ class SchedulerConfig(ConfigModel):
         "without accelerators; 0 = only devices that workers register.",
     )
     plan_interval_s: float = Field(1.0, gt=0, description="Seconds between two runs of the plan loop.")
+    metrics_interval_s: float = Field(
+        2.0,
+        ge=0,
+        description="Seconds between two pool MetricsEvents (devices leased per role, busy fractions, "
+        "per-device busy; services/scheduler/pool_metrics.py), at most one per plan loop run; 0 = none.",
+    )
     heartbeat_interval_s: float = Field(
         1.0, gt=0, description="Seconds between worker heartbeats (told to workers)."
     )

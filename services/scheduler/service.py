@@ -46,6 +46,7 @@ from services.scheduler.policies import (
     Role,
     make_policy,
 )
+from services.scheduler.pool_metrics import PoolMetrics, metrics_event
 from services.scheduler.snapshot import pool_snapshot
 from services.scheduler.split_meter import SplitMeter
 from services.scheduler.wire import device_from_pb, device_pb, lease_pb
@@ -67,6 +68,10 @@ class SchedulerService(Service):
         self._stopping = asyncio.Event()
         self._reassigned_at: dict[tuple[str, int], float] = {}  # handoff (device, epoch) -> REASSIGN time
         self.handoff_s: collections.deque[float] = collections.deque(maxlen=20)  # recent handoff durations
+        self.pool_metrics = PoolMetrics()
+        # event ids of this process's MetricsEvents: a restarted scheduler counts intervals from 0 again
+        self._metrics_tag = f"{time.time_ns():x}"
+        self._next_metrics_s = 0.0  # time.monotonic() at which the next pool MetricsEvent is due
 
     # --- lifecycle -----------------------------------------------------------------------------------
     async def start(self, rt: Runtime) -> None:
@@ -106,6 +111,8 @@ class SchedulerService(Service):
                         self.rt.count_error("start_move", exc)
                         log.info("move of %s to %s skipped: %s", move.device_id, move.to_role, exc)
             await self.publish_pending()
+            if snapshot is not None:
+                await self.publish_pool_metrics(snapshot)
             try:
                 await asyncio.wait_for(self._stopping.wait(), self.cfg.plan_interval_s)
             except TimeoutError:
@@ -179,6 +186,17 @@ class SchedulerService(Service):
                     subject = subjects.leases(self.common.run_id, device_id)
                     await self.rt.bus.publish(subject, event, msg_id=event.event_id)
                 await self._db(self.store.mark_published, [seq for seq, _, _ in rows])
+
+    async def publish_pool_metrics(self, snapshot: PoolSnapshot) -> None:
+        """One pool MetricsEvent when `metrics_interval_s` has passed since the last (pool_metrics.py)."""
+        now = time.monotonic()
+        if self.cfg.metrics_interval_s <= 0 or now < self._next_metrics_s:
+            return
+        self._next_metrics_s = now + self.cfg.metrics_interval_s
+        event = metrics_event(self.common.run_id, self._metrics_tag, self.pool_metrics.sample(snapshot, now))
+        await self.rt.bus.publish(
+            subjects.metrics(self.common.run_id, "scheduler"), event, msg_id=event.event_id
+        )
 
     def _time_handoff(self, event: events_pb2.LeaseEvent) -> None:
         key = (event.lease.device_id, event.lease.epoch)

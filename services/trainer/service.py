@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import Any
 
 import grpc
@@ -55,6 +56,21 @@ async def publish_weights_event(
         event_id=event_id, run_id=run_id, weights=weights, metrics=metrics
     )
     await bus.publish(subjects.weights(run_id), event, msg_id=event_id)
+
+
+async def publish_step_metrics(
+    bus: Bus, run_id: str, weights: common_pb2.WeightVersion, metrics: dict[str, float]
+) -> None:
+    """The step's scalars as a MetricsEvent on gyre.metrics.<run_id>.trainer, for any tap and the
+    experiment trackers: the weights event's metrics plus `train_step` (the step that produced
+    version v is v - 1, as the report counts steps) and `weight_version`. Published after the weights
+    event; its id is the version's, so a redelivered or repeated publication is stored once."""
+    event_id = f"metrics.{run_id}.trainer.{weights.version}"
+    values = {**metrics, "train_step": float(weights.version - 1), "weight_version": float(weights.version)}
+    event = events_pb2.MetricsEvent(
+        event_id=event_id, run_id=run_id, service="trainer", values=values, created_unix_s=time.time()
+    )
+    await bus.publish(subjects.metrics(run_id, "trainer"), event, msg_id=event_id)
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -139,6 +155,7 @@ class TrainerService(Service):
 
         async def sink(weights: common_pb2.WeightVersion, metrics: dict[str, float]) -> None:
             await publish_weights_event(rt.bus, self.common.run_id, weights, metrics)
+            await publish_step_metrics(rt.bus, self.common.run_id, weights, metrics)
 
         self.trainer = await asyncio.to_thread(
             Trainer, self.cfg, self.common.run_dir, source, sink, self.common.seed
