@@ -112,6 +112,14 @@ def measure_run(run_dir: Path, warmup_steps: int | None = None) -> dict[str, Any
         "window_s": window,
         "s_per_step": window / steps if steps > 0 and window > 0 else None,
         "reassignments": a.num_reassignments,
+        # Moves made after the warm-up steps: a policy that re-splits only at start has none here.
+        "reassignments_in_window": sum(
+            1
+            for r in records
+            if r["type"] == "LeaseEvent"
+            and r["event"].get("kind") == "KIND_REASSIGN"
+            and t0 < event_time(r) <= t1
+        ),
         "live_migrations": max(a.num_migrations, int(rollout.get("migrations") or 0)),
         "executions_interrupted": interrupted,
         "train_handoffs": len(handoffs),

@@ -9,7 +9,7 @@ and Postgres, every service its own process) on `num_devices / devices_per_unit`
 devices, each paced as one scheduling unit of the workload (`devices.pacing`, gyre/pacing.py),
 with the `workload` environment drawing every execution's turns, tokens and tool latencies from the
 file the simulator reads. Async runs at the split the simulator's sweep picks for the workload;
-elastic has the same split as its home (`scheduler.async_rollout_devices`), as the simulator gives it. Then it prints, per policy: the
+Elastic gets no split: it measures its home during the run (services/scheduler/split_meter.py). Then it prints, per policy: the
 measured wall seconds per trainer step over the simulator's window (after `warmup_steps`), the
 simulator's prediction (modelled seconds / time_scale) and the relative error, reassignments, live
 migrations, executions interrupted, completed TRAIN handoffs, device-seconds per role (by lease and
@@ -86,7 +86,7 @@ def run_config(
         "drain_timeout_s": 60.0,
         "sim_workload": str(workload_file.resolve()),
     }
-    if policy in ("async", "elastic"):  # elastic's home split is the operator's, as the simulator gives it
+    if policy == "async":  # the sweep's best split; Elastic measures its own home (split_meter.py)
         scheduler["async_rollout_devices"] = async_units
     return {
         "run_id": f"bench-elastic-{policy}",
@@ -162,7 +162,7 @@ def predict_policy(w: Any, policy: str, async_units: int) -> dict[str, Any]:
     """The simulator's numbers for one policy on the workload (modelled seconds)."""
     from services.scheduler.sim import predict
 
-    split = async_units * w.devices_per_unit if policy in ("async", "elastic") else None
+    split = async_units * w.devices_per_unit if policy == "async" else None  # elastic: no sweep input
     return predict(w, policy, num_rollout_devices=split)
 
 
@@ -175,6 +175,7 @@ def row(measured: dict[str, Any], predicted: dict[str, Any], time_scale: float) 
         "predicted_s_per_step": pred_s,
         "relative_error": (pred_s / meas_s - 1) if meas_s else None,
         "reassignments": measured["reassignments"],
+        "reassignments_in_window": measured["reassignments_in_window"],
         "live_migrations": measured["live_migrations"],
         "executions_interrupted": measured["executions_interrupted"],
         "train_handoffs": measured["train_handoffs"],
@@ -322,13 +323,13 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"workload {result['workload']} at time_scale {result['time_scale']} ({result['num_devices']} devices, "
         f"async split {result['async_rollout_devices']} rollout)",
-        f"{'policy':<9} {'s/step':>7} {'sim':>7} {'err':>7} {'reassign':>8} {'migr':>5} {'interr':>6} "
+        f"{'policy':<9} {'s/step':>7} {'sim':>7} {'err':>7} {'reassign':>8} {'in run':>6} {'migr':>5} {'interr':>6} "
         f"{'train handoffs':>14} {'parts/step':>10} {'idle(busy)':>10} {'sim idle':>8} {'idle(lease)':>11}",
     ]
     for p, r in result["policies"].items():
         lines.append(
             f"{p:<9} {_n(r['s_per_step']):>7} {_n(r['predicted_s_per_step']):>7} {_n(r['relative_error'], '+.1%'):>7} "
-            f"{r['reassignments']:>8} {r['live_migrations']:>5} {r['executions_interrupted']:>6} "
+            f"{r['reassignments']:>8} {r.get('reassignments_in_window', 0):>6} {r['live_migrations']:>5} {r['executions_interrupted']:>6} "
             f"{r['train_handoffs']:>14} {_n(r.get('parts_per_step'), '.2f'):>10} "
             f"{_n(r['idle_fraction'], '.3f'):>10} "
             f"{_n(r['predicted_idle_fraction'], '.3f'):>8} {_n(r['idle_fraction_by_lease'], '.3f'):>11}"
