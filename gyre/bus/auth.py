@@ -5,7 +5,8 @@ Roles (a NATS user each, same name):
 * ``scheduler``, ``rollout``, ``trajectory``, ``trainer``: publish only on the streams whose
   ``StreamSpec.producers`` names them (only the scheduler publishes leases, only the trainer weights,
   only the rollout steps and executions, each service only its own metrics and dead letters);
-  read (create consumers, fetch, ack) the streams whose ``StreamSpec.consumers`` names them.
+  read (create consumers, fetch, ack) the streams whose ``StreamSpec.consumers`` names them, and
+  read back (ephemeral consumers only, like the observer) the streams they produce.
 * ``observer``: read-only — ephemeral (ordered) consumers on every Gyre stream, no durable
   consumer, no ack, no publish (the analytics tail, the job's event collector, ``gyre analytics``).
 * ``admin``: the JetStream API (declares and updates streams: the launcher, before any service
@@ -104,6 +105,10 @@ def permissions(role: str) -> Permissions:
             publish += _read_rights(spec.name, durable=False)
         elif role in spec.consumers:
             publish += _read_rights(spec.name, durable=True)
+        elif role in {producer.partition(":")[0] for producer in spec.producers}:
+            # A producer may read back what is stored (ephemeral consumers only): a restarted
+            # rollout replays its executions and steps to resume them (services/rollout/resume.py).
+            publish += _read_rights(spec.name, durable=False)
     publish += _published_subjects(role)
     # Core subscriptions to Gyre subjects (a wide tail) see new messages only and change nothing.
     return Permissions(publish=tuple(publish), subscribe=(*subscribe, f"{subjects.PREFIX}.>"))

@@ -2,8 +2,10 @@
 continues on its run directory to its target step, training no batch twice, with one report.
 
 Real everything: `gyre run` on the quickstart (every service its own process, embedded NATS and
-Postgres on the run_dir's data). The kill is the outermost edge: SIGKILL to the launcher, every
-process under it, and the embedded servers found by their data directory in the run_dir.
+Postgres on the run_dir's data), with longer horizons (48 turns instead of 8) so that executions
+last seconds; the kill waits for a published step and a burst of executions running in the event
+log. The kill is the outermost edge: SIGKILL to the launcher, every process under it, and the
+embedded servers found by their data directory in the run_dir.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from app.chaos import final_trainer_state
 from app.job.eventlog import read_events
@@ -27,9 +30,33 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 
 
-def _gyre_run(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "app.cli", "run", "examples/quickstart.yaml", "--steps", str(STEPS),
+def _long_horizon_config(tmp_path: Path) -> Path:
+    raw = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    raw["rollout"]["longhorizon_max_turns"] = 48
+    path = tmp_path / "quickstart_long.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _gyre_run(config: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "app.cli", "run", str(config), "--steps", str(STEPS),
             "--run-dir", str(run_dir), *extra]  # fmt: skip
+
+
+def _live_executions(run_dir: Path) -> int:
+    """Executions the event log shows started and not ended (groups start in bursts after a weights
+    version and most end within a second or two: a kill during a burst leaves them running)."""
+    if not (run_dir / "events.jsonl").is_file():
+        return 0
+    live: set[str] = set()
+    for r in read_events(run_dir / "events.jsonl"):
+        if r["type"] == "ExecutionEvent":
+            eid = r["event"].get("execution_id", "")
+            if r["event"].get("kind") == "KIND_STARTED":
+                live.add(eid)
+            else:
+                live.discard(eid)
+    return len(live)
 
 
 def _versions(run_dir: Path) -> list[int]:
@@ -69,14 +96,17 @@ def _kill_everything(launcher: subprocess.Popen[bytes], run_dir: Path) -> int:
 @pytest.mark.slow
 def test_a_job_killed_whole_midway_resumes_to_its_target_step_training_no_batch_twice(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    config = _long_horizon_config(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
-    first = subprocess.Popen(_gyre_run(run_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    first = subprocess.Popen(_gyre_run(config, run_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 900
-        while max(_versions(run_dir), default=0) < 2 and first.poll() is None:
-            assert time.monotonic() < deadline, "the first run never reached step 2"
-            time.sleep(0.5)
+        while first.poll() is None and (
+            max(_versions(run_dir), default=0) < 1 or _live_executions(run_dir) < 8
+        ):
+            assert time.monotonic() < deadline, "the first run never had a published step and executions live"
+            time.sleep(0.2)
         assert first.poll() is None, "the first run ended before it could be killed"
         killed_at = max(_versions(run_dir))
         assert killed_at < STEPS
@@ -85,7 +115,12 @@ def test_a_job_killed_whole_midway_resumes_to_its_target_step_training_no_batch_
         if first.poll() is None:
             first.kill()
     resumed = subprocess.run(
-        _gyre_run(run_dir, "--resume"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
+        _gyre_run(config, run_dir, "--resume"),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming run" in resumed.stdout

@@ -119,6 +119,35 @@ async def test_the_rollouts_credentials_cannot_publish_a_lease_or_a_weights_even
     assert await _count(admin_bus, "GYRE_WEIGHTS", subjects.weights(run_id)) == 1
 
 
+async def test_a_restarted_rollout_reads_back_the_steps_and_executions_it_published(
+    secured_nats: str, admin_bus: Bus
+) -> None:
+    """What services/rollout/resume.py needs to resume executions after a kill (read-only)."""
+    run_id = f"r{uuid.uuid4().hex[:8]}"
+    first = await _connect(secured_nats, "rollout")
+    try:
+        step = events_pb2.StepEvent(event_id="s1", run_id=run_id, task_id="t", execution_id="e0")
+        await first.publish(subjects.steps(run_id, "t"), step, msg_id=step.event_id)
+        started = events_pb2.ExecutionEvent(
+            event_id="x1", run_id=run_id, task_id="t", execution_id="e0",
+            kind=events_pb2.ExecutionEvent.KIND_STARTED,
+        )  # fmt: skip
+        await first.publish(subjects.executions(run_id, "t"), started, msg_id=started.event_id)
+    finally:
+        await first.close()
+    restarted = await _connect(secured_nats, "rollout")
+    try:
+        async with asyncio.timeout(20):
+            steps = [m async for m in restarted.replay(subjects.steps(run_id, "t"), idle_timeout_s=2.0)]
+            execs = [m async for m in restarted.replay(subjects.executions(run_id, "*"), idle_timeout_s=2.0)]
+        violations = list(restarted.permission_errors)
+    finally:
+        await restarted.close()
+    assert [events_pb2.StepEvent.FromString(m.data).execution_id for m in steps] == ["e0"]
+    assert [events_pb2.ExecutionEvent.FromString(m.data).kind for m in execs] == [started.kind]
+    assert not violations
+
+
 @pytest.mark.slow
 async def test_the_observer_reads_but_cannot_publish_or_manage_streams(
     secured_nats: str, admin_bus: Bus
@@ -204,6 +233,12 @@ def test_permissions_follow_the_stream_declarations() -> None:
     assert "gyre.steps.>" in rollout.publish and "gyre.executions.>" in rollout.publish
     assert not any(p.startswith(("gyre.leases", "gyre.weights", "gyre.paths")) for p in rollout.publish)
     assert "gyre.metrics.*.rollout" in rollout.publish
+    # It reads back its own streams through ephemeral consumers only: no durable, no ack.
+    assert "$JS.API.CONSUMER.CREATE.GYRE_STEPS" in rollout.publish
+    assert not any(
+        p.startswith(("$JS.ACK.GYRE_STEPS", "$JS.API.CONSUMER.DURABLE.CREATE.GYRE_STEPS"))
+        for p in rollout.publish
+    )
     assert auth.permissions("scheduler").publish.count("gyre.leases.>") == 1
     assert "gyre.weights.>" in auth.permissions("trainer").publish
     observer = auth.permissions(auth.OBSERVER)
