@@ -56,3 +56,38 @@ def test_an_import_that_runs_back_up_breaks_the_contracts(tmp_path: Path, probe:
     broken = _lint(tmp_path)
     assert broken.returncode != 0, f"{probe} doing `{importing}` was not caught:\n{broken.stdout}"
     assert "BROKEN" in broken.stdout
+
+
+def _import_cycles_module():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_cycles", ROOT / "scripts" / "import_cycles.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_module_of_app_services_or_gyre_sits_in_an_import_circle() -> None:
+    assert _import_cycles_module().import_cycles() == []
+
+
+def test_the_circle_finder_sees_a_circle_of_two_modules() -> None:
+    finder = _import_cycles_module()
+    circles = finder._strongly_connected(["a", "b", "c"], {"a": ["b"], "b": ["a"], "c": ["a"]})
+    assert [sorted(c) for c in circles if len(c) > 1] == [["a", "b"]]
+
+
+MAX_LINES = 600
+
+
+def test_no_python_file_outside_generated_code_and_tests_is_longer_than_600_lines() -> None:
+    long_files = {}
+    for package in ("app", "services", "gyre", "examples", "scripts"):
+        for path in (ROOT / package).rglob("*.py"):
+            if "v1" in path.relative_to(ROOT).parts:  # generated protobuf/gRPC contracts
+                continue
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_LINES:
+                long_files[str(path.relative_to(ROOT))] = lines
+    assert long_files == {}, f"files over {MAX_LINES} lines: {long_files}"

@@ -4,14 +4,8 @@ Hugging Face one loaded from a checkpoint directory. `load_tokenizer(spec)` pick
 every id the tokenizer produces.
 """
 
-from .base import (
-    TOKENIZER_FIELD_DESCRIPTION,
-    Tokenizer,
-    VocabularyMismatch,
-    check_vocabulary,
-    load_tokenizer,
-    vocabulary_problem,
-)
+from .base import Tokenizer, VocabularyMismatch, check_vocabulary
+from .loading import TOKENIZER_FIELD_DESCRIPTION, load_tokenizer, vocabulary_problem
 
 __all__ = [
     "TOKENIZER_FIELD_DESCRIPTION",
