@@ -138,7 +138,7 @@ def run_config(
             "max_tokens": MAX_TOKENS,
             "max_calls": 10_000,
             "max_context_tokens": 4096,
-            "openai_port": None,
+            "openai": {"port": None},
             "report_load_interval_s": 0.5,
         },
         "trainer": {

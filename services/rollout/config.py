@@ -22,6 +22,11 @@ _MOVED_HARNESS_KEYS = {
     "harness_cpu_s": "harness.cpu_s",
     "harness_max_output_bytes": "harness.max_output_bytes",
 }
+# The same for the endpoint's flat keys (rollout.openai.*).
+_MOVED_OPENAI_KEYS = {
+    f"openai_{name}": f"openai.{name}"
+    for name in ("host", "port", "api_key", "admin_key", "auth", "max_request_bytes", "execution_idle_s")
+}
 
 
 class HarnessConfig(ConfigModel):
@@ -68,6 +73,42 @@ class HarnessConfig(ConfigModel):
     cpu_s: int = Field(3600, ge=1, description="External harness: CPU-time limit of the agent (seconds).")
     max_output_bytes: int = Field(
         65536, ge=1024, description="External harness: stdout/stderr kept per agent run (tail, bytes)."
+    )
+
+
+class OpenAIConfig(ConfigModel):
+    """The OpenAI-compatible endpoint of a rollout worker (`rollout.openai`; docs/rollout.md)."""
+
+    host: str = Field("127.0.0.1", description="Bind address of the OpenAI-compatible endpoint.")
+    port: int | None = Field(0, ge=0, description="Port of the endpoint (0: a free one, logged); unset: off.")
+    api_key: str | None = Field(
+        None,
+        min_length=16,
+        description=(
+            "API key every call of the OpenAI endpoint must carry (`Authorization: Bearer <key>`; env "
+            "GYRE_ROLLOUT__OPENAI__API_KEY). Unset: the rollout generates one at start and writes it to "
+            "<run_dir>/rollout/<worker_id>/openai_api_key (mode 0600)."
+        ),
+    )
+    admin_key: str | None = Field(
+        None,
+        min_length=16,
+        description=(
+            "Admin credential of the endpoint: needed for /sleep, /wake_up, /is_sleeping and /collective_rpc "
+            "(env GYRE_ROLLOUT__OPENAI__ADMIN_KEY). Unset: generated like the API key, file openai_admin_key."
+        ),
+    )
+    auth: bool = Field(
+        True,
+        description="Require the API key on the model routes. False leaves them open (trusted networks only).",
+    )
+    max_request_bytes: int = Field(
+        8 << 20, ge=1024, description="Largest request body (bytes) the endpoint reads; larger -> HTTP 413."
+    )
+    execution_idle_s: float = Field(
+        3600.0,
+        gt=0,
+        description="Seconds without a call after which an endpoint execution is ended as TRUNCATED.",
     )
 
 
@@ -191,38 +232,9 @@ class RolloutConfig(ConfigModel):
         description="Who drives an execution, and the limits of an external agent process.",
     )
 
-    openai_host: str = Field("127.0.0.1", description="Bind address of the OpenAI-compatible endpoint.")
-    openai_port: int | None = Field(
-        0, ge=0, description="Port of the endpoint (0: a free one, logged); unset: off."
-    )
-    openai_api_key: str | None = Field(
-        None,
-        min_length=16,
-        description=(
-            "API key every call of the OpenAI endpoint must carry (`Authorization: Bearer <key>`; env "
-            "GYRE_ROLLOUT__OPENAI_API_KEY). Unset: the rollout generates one at start and writes it to "
-            "<run_dir>/rollout/<worker_id>/openai_api_key (mode 0600)."
-        ),
-    )
-    openai_admin_key: str | None = Field(
-        None,
-        min_length=16,
-        description=(
-            "Admin credential of the endpoint: needed for /sleep, /wake_up, /is_sleeping and /collective_rpc "
-            "(env GYRE_ROLLOUT__OPENAI_ADMIN_KEY). Unset: generated like the API key, file openai_admin_key."
-        ),
-    )
-    openai_auth: bool = Field(
-        True,
-        description="Require the API key on the model routes. False leaves them open (trusted networks only).",
-    )
-    openai_max_request_bytes: int = Field(
-        8 << 20, ge=1024, description="Largest request body (bytes) the endpoint reads; larger -> HTTP 413."
-    )
-    openai_execution_idle_s: float = Field(
-        3600.0,
-        gt=0,
-        description="Seconds without a call after which an endpoint execution is ended as TRUNCATED.",
+    openai: OpenAIConfig = Field(
+        default_factory=lambda: OpenAIConfig.model_validate({}),
+        description="The OpenAI-compatible endpoint agents call: address, credentials and limits.",
     )
     weights_store: Path | None = Field(
         None,
@@ -248,8 +260,9 @@ class RolloutConfig(ConfigModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_flat_harness_keys(cls, data: Any) -> Any:
-        """Older configs wrote `harness: external` and `harness_*` keys; say which nested key replaced each."""
+    def _refuse_flat_keys(cls, data: Any) -> Any:
+        """Older configs wrote `harness: external`, `harness_*` and `openai_*` keys; say which nested key
+        replaced each."""
         if not isinstance(data, Mapping):
             return data
         moved = [
@@ -263,6 +276,13 @@ class RolloutConfig(ConfigModel):
             raise ValueError(
                 "the harness settings moved into the rollout.harness section: " + "; ".join(moved)
             )
+        moved = [
+            f"rollout.{old} is now rollout.{new}" for old, new in _MOVED_OPENAI_KEYS.items() if old in data
+        ]
+        if moved:
+            raise ValueError(
+                "the endpoint settings moved into the rollout.openai section: " + "; ".join(moved)
+            )
         return data
 
     @model_validator(mode="after")
@@ -275,9 +295,9 @@ class RolloutConfig(ConfigModel):
         if harness.kind == "external":
             if not harness.command:
                 raise ValueError("harness.kind 'external' needs harness.command (the agent's argv)")
-            if self.openai_port is None:
+            if self.openai.port is None:
                 raise ValueError(
-                    "harness.kind 'external' needs the OpenAI endpoint: set openai_port (0 = a free port)"
+                    "harness.kind 'external' needs the OpenAI endpoint: set openai.port (0 = a free port)"
                 )
             if harness.tasks is None and self.environment != "workspace":
                 raise ValueError(

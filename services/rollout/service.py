@@ -256,12 +256,12 @@ class RolloutService(Service):
                 await self.start_engine(device)
         else:
             await self._join_scheduler(rt)
-        if cfg.openai_port is not None:
+        if cfg.openai.port is not None:
             from .openai import OpenAIEndpoint, create_app, endpoint_keys, serve
 
             key_dir = self.common.run_dir / "rollout" / cfg.worker_id
             api_key, admin_key = endpoint_keys(
-                cfg.openai_api_key, cfg.openai_admin_key, key_dir, require_api_key=cfg.openai_auth
+                cfg.openai.api_key, cfg.openai.admin_key, key_dir, require_api_key=cfg.openai.auth
             )
             from gyre.tokenizers import load_tokenizer
 
@@ -269,10 +269,10 @@ class RolloutService(Service):
                 self.router, self.sink, run_id=run_id, tokenizer=load_tokenizer(cfg.tokenizer),
                 vocab_size=cfg.model.vocab_size, seed=self.common.seed, api_key=api_key,
                 admin_key=admin_key, max_prompt_tokens=cfg.model.max_position_embeddings,
-                max_request_bytes=cfg.openai_max_request_bytes, execution_idle_s=cfg.openai_execution_idle_s,
+                max_request_bytes=cfg.openai.max_request_bytes, execution_idle_s=cfg.openai.execution_idle_s,
             )  # fmt: skip
             endpoint.weights_loader = self.swapper.apply
-            self.http, self.http_port = await serve(create_app(endpoint), cfg.openai_host, cfg.openai_port)
+            self.http, self.http_port = await serve(create_app(endpoint), cfg.openai.host, cfg.openai.port)
             if cfg.harness.kind == "external":  # executions run the user's agent against this endpoint
                 from .harness import build_external_harness
 
@@ -282,9 +282,9 @@ class RolloutService(Service):
             log.info(
                 "OpenAI-compatible endpoint on http://%s:%d/v1; use it with OPENAI_BASE_URL=http://%s:%d/v1 "
                 "OPENAI_API_KEY=$(cat %s) (admin key: %s)",
-                cfg.openai_host, self.http_port, cfg.openai_host, self.http_port,
-                key_dir / "openai_api_key" if cfg.openai_api_key is None else "rollout.openai_api_key",
-                key_dir / "openai_admin_key" if cfg.openai_admin_key is None else "rollout.openai_admin_key",
+                cfg.openai.host, self.http_port, cfg.openai.host, self.http_port,
+                key_dir / "openai_api_key" if cfg.openai.api_key is None else "rollout.openai.api_key",
+                key_dir / "openai_admin_key" if cfg.openai.admin_key is None else "rollout.openai.admin_key",
             )  # fmt: skip
         if self.executions.incarnation:  # restarted: resume what the killed predecessor left running
             await self._resume_predecessors(rt)

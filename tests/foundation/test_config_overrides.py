@@ -8,6 +8,7 @@ from pydantic import Field
 
 from gyre.config import ConfigModel, deep_merge, load_section
 from gyre.errors import ConfigError
+from services.rollout.config import RolloutConfig
 from services.trainer.config import TrainerConfig
 
 
@@ -70,3 +71,16 @@ def test_deep_merge_replaces_lists_and_merges_mappings_without_touching_its_inpu
     over = {"a": {"c": [3]}, "e": {"f": 1}}
     assert deep_merge(base, over) == {"a": {"b": 1, "c": [3]}, "d": 0, "e": {"f": 1}}
     assert base == {"a": {"b": 1, "c": [1, 2]}, "d": 0}
+
+
+def test_the_rollouts_endpoint_port_can_be_set_from_the_environment_in_its_nested_section(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GYRE_ROLLOUT__OPENAI__PORT", "8123")
+    config = load_section(RolloutConfig, "rollout", data={"rollout": {"openai": {"host": "0.0.0.0"}}})
+    assert (config.openai.host, config.openai.port) == ("0.0.0.0", 8123)
+
+
+def test_an_old_flat_endpoint_key_is_an_error_that_names_the_nested_key() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.openai_port is now rollout\.openai\.port"):
+        load_section(RolloutConfig, "rollout", data={"rollout": {"openai_port": 0}})

@@ -59,7 +59,7 @@ async def test_a_killed_rollout_restarted_resumes_every_live_execution_with_cont
     cfg.write_text(
         f"run_id: {RUN}\nrun_dir: {tmp_path / 'run'}\n"
         "rollout:\n  num_devices: 1\n  num_tasks: 10\n  group_size: 2\n  longhorizon_max_turns: 200\n"
-        "  max_tokens: 2\n  context: none\n  openai_port: null\n"
+        "  max_tokens: 2\n  context: none\n  openai: {port: null}\n"
     )
     env = {
         **os.environ,

@@ -35,7 +35,7 @@ async def test_a_rollout_whose_engine_crashes_restarts_it_keeps_serving_and_lose
     cfg.write_text(
         f"run_id: {run}\nrun_dir: {tmp_path / 'run'}\n"
         "rollout:\n  num_devices: 2\n  num_tasks: 4\n  group_size: 2\n  longhorizon_max_turns: 30\n"
-        "  max_tokens: 3\n  openai_port: null\n  engine_restart_backoff_s: 0.2\n"
+        "  max_tokens: 3\n  openai: {port: null}\n  engine_restart_backoff_s: 0.2\n"
     )
     env = {**os.environ, "GYRE_NATS_URL": nats_url, "GYRE_DATABASE_URL": postgres_url,
            "PYTHONWARNINGS": "ignore", "GYRE_TEST_FAIL_AFTER_STEPS": "10", "PYTHONPATH": str(ROOT)}  # fmt: skip

@@ -243,8 +243,8 @@ def test_config_refuses_an_external_harness_it_cannot_run() -> None:
         RolloutConfig(harness=external(command=["agent"]))  # longhorizon has no external tasks
     with pytest.raises(ValidationError, match="harness.reward"):
         RolloutConfig(harness=external(command=["agent"], tasks=Path("t.jsonl")))
-    with pytest.raises(ValidationError, match="openai_port"):
-        RolloutConfig(harness=external(command=["a"]), environment="workspace", openai_port=None)
+    with pytest.raises(ValidationError, match=r"openai\.port"):
+        RolloutConfig(harness=external(command=["a"]), environment="workspace", openai={"port": None})
     cfg = RolloutConfig(harness=external(command=["a"], timeout_s=7), environment="workspace")
     assert cfg.harness.kind == "external" and cfg.harness.timeout_s == 7.0
 

@@ -25,7 +25,7 @@ async def test_service_runs_executions_answers_grpc_and_stops_cleanly(
     cfg.write_text(
         "run_id: svc-test\n"
         "rollout:\n  num_devices: 2\n  num_tasks: 2\n  group_size: 2\n  longhorizon_max_turns: 6\n"
-        "  max_tokens: 2\n  openai_port: null\n"
+        "  max_tokens: 2\n  openai: {port: null}\n"
     )
     env = {
         **os.environ,

@@ -1,7 +1,7 @@
 """Who may call the OpenAI-compatible endpoint, and which execution each call belongs to.
 
 Credentials (checked before a body is read): `Authorization: Bearer <key>`. The run's API key
-(`rollout.openai_api_key`) may call the model routes; the admin key (`rollout.openai_admin_key`)
+(`rollout.openai.api_key`) may call the model routes; the admin key (`rollout.openai.admin_key`)
 may call everything, and only it the admin routes. A per-execution key (issued by the server) may
 call the model routes of its own execution only. No or wrong key -> 401; a key without the right
 -> 403. With no API key configured the model routes are open. A per-execution base URL
@@ -124,12 +124,12 @@ class ExecutionRegistry:
         if self.api_key is None:
             return Caller("run", "open")
         if not key:
-            raise unauthorized("missing API key: send 'Authorization: Bearer <key>' (rollout.openai_api_key)")
+            raise unauthorized("missing API key: send 'Authorization: Bearer <key>' (rollout.openai.api_key)")
         raise unauthorized("invalid API key")
 
     def require_admin(self, caller: Caller) -> None:
         if caller.kind != "admin":
-            hint = "" if self.admin_key is not None else " (none is configured: rollout.openai_admin_key)"
+            hint = "" if self.admin_key is not None else " (none is configured: rollout.openai.admin_key)"
             raise forbidden("this route needs the admin key" + hint)
 
     # -- executions ----------------------------------------------------------------------------
