@@ -166,6 +166,19 @@ def _section_overrides(env: dict[str, str]) -> dict[tuple[str, str], str]:
     return out
 
 
+def _is_field(model: type, path: str) -> bool:
+    """Whether `path` (`field` or `section__field`, as after GYRE_<SECTION>__) names a field of
+    `model`, descending into nested config sections."""
+    head, _, rest = path.partition("__")
+    field = model.model_fields.get(head)  # type: ignore[attr-defined]
+    if field is None:
+        return False
+    if not rest:
+        return True
+    nested = field.annotation
+    return isinstance(nested, type) and hasattr(nested, "model_fields") and _is_field(nested, rest)
+
+
 def _compose_env(name: str) -> dict[str, str]:
     return {k: str(v) for k, v in _compose()["services"][name]["environment"].items()}
 
@@ -211,7 +224,7 @@ def test_services_find_each_other_through_their_own_address_fields(name: str, wh
     assert model is not None, f"services/{name}/config.py has no config model"
     env = _compose_env(name) if where == "compose" else _k8s_env(name)
     overrides = _section_overrides(env)
-    unknown = [f for (section, f) in overrides if section == name and f not in model.model_fields]
+    unknown = [f for (section, f) in overrides if section == name and not _is_field(model, f)]
     assert not unknown, (
         f"{where} sets {name} fields that do not exist (the service would refuse to start): {unknown}"
     )
