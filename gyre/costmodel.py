@@ -4,7 +4,7 @@ hardware. Units: seconds, bytes, tokens, FLOPs.
 One model, shared by the cluster simulator (services/scheduler/sim) and by paced devices (a logical
 CPU device that takes as long as the modelled accelerator would). Every function is a closed-form
 roofline; every default carries a tag saying where it comes from, as in
-/work/shared/reference/scheduling-and-workloads.md (cited below as "reference §n"):
+docs/cost-model-sources.md (cited below as "sources §n"):
 
 - [S] the number is in a public source (named);
 - [D] derived from published specs by the stated arithmetic;
@@ -134,18 +134,18 @@ class CostModel:
 
     def decode_step_s(self, decoding_context_tokens: float) -> float:
         """One decode step of an engine: memory-bound, reads the weights once and the KV of every
-        sequence in the batch (reference §3.4: t = (W + sum KV(c)) / (eta * BW), over the TP group)."""
+        sequence in the batch (sources §2: t = (W + sum KV(c)) / (eta * BW), over the TP group)."""
         return (self._weights + self._kv_per_token * decoding_context_tokens) / self._unit_bandwidth
 
     def prefill_s(self, new_tokens: float, context_tokens: float) -> float:
         """Incremental prefill of `new_tokens` on top of `context_tokens` cached ones (compute-bound):
-        2N per token + 4 * layers * attention_dim * (context + new/2) per token (reference §6.2)."""
+        2N per token + 4 * layers * attention_dim * (context + new/2) per token (sources §3)."""
         flops = new_tokens * (2 * self.model.params + self._attn * (context_tokens + new_tokens / 2))
         return flops / self._prefill_flops_s
 
     def train_flops(self, context_tokens: float) -> float:
         """FLOPs to train on one sequence of length L: 6NL + 6 * layers * attention_dim * L^2
-        (dense forward+backward plus causal attention; reference §3.5)."""
+        (dense forward+backward plus causal attention; sources §3)."""
         m = self.model
         return 6 * m.params * context_tokens + 6 * m.num_layers * m.attention_dim * context_tokens**2
 
@@ -154,7 +154,7 @@ class CostModel:
         return num_devices * self.hardware.peak_flops * self.costs.train_mfu
 
     def migration_s(self, context_tokens: float) -> float:
-        """Copying one sequence's KV cache to another engine plus control overhead (reference §3.3)."""
+        """Copying one sequence's KV cache to another engine plus control overhead (sources §5)."""
         return (
             self.kv_bytes(context_tokens) / self.hardware.migration_bandwidth_bytes_s
             + self.costs.migration_overhead_s
@@ -168,7 +168,7 @@ class CostModel:
 # --- built-in models and hardware -------------------------------------------------------------------------
 
 # Qwen3-32B-like dense model [D]: 64 layers, 8 KV heads x 128 head dim x 2 (K,V) x 2 bytes = 256 KiB/token;
-# 64 query heads x 128 = 8192 attention dim (reference §3.3: config recalled, not verified).
+# 64 query heads x 128 = 8192 attention dim (sources §4: config recalled, not verified).
 MODEL_32B = ModelSpec(
     params=32e9, weight_bytes=64e9, kv_bytes_per_token=262_144, num_layers=64, attention_dim=8192
 )
@@ -177,10 +177,10 @@ MODEL_8B = ModelSpec(
     params=8e9, weight_bytes=16e9, kv_bytes_per_token=131_072, num_layers=32, attention_dim=4096
 )
 
-# H200 SXM: 141 GB HBM3e, 4.8 TB/s [S: NVIDIA MLPerf system file, reference §5]; 989 TFLOP/s dense BF16
-# [G: spec memory, reference §5]; bandwidth efficiency 0.8 [G, reference §3.4 says 0.7-0.85]; engine-to-engine
-# KV copy over 4 x 400 Gb/s NICs = 200 GB/s [D from S: 10 x 400 Gb/s IB per node, reference §5]; host copies
-# at 50 GB/s per unit [G: PCIe Gen5 x16 effective, reference §3.1]; 10% of HBM reserved [G].
+# H200 SXM: 141 GB HBM3e, 4.8 TB/s [S: NVIDIA MLPerf system file, sources §1]; 989 TFLOP/s dense BF16
+# [G: spec memory, sources §1]; bandwidth efficiency 0.8 [G, sources §2 says 0.7-0.85]; engine-to-engine
+# KV copy over 4 x 400 Gb/s NICs = 200 GB/s [D from S: 10 x 400 Gb/s IB per node, sources §1]; host copies
+# at 50 GB/s per unit [G: PCIe Gen5 x16 effective, sources §1]; 10% of HBM reserved [G].
 H200 = HardwareSpec(
     hbm_bytes=141e9,
     hbm_bandwidth_bytes_s=4.8e12,
@@ -191,9 +191,9 @@ H200 = HardwareSpec(
     kv_memory_reserve=0.1,
 )
 
-# Costs [reference §6.2]: train MFU 0.40 [S: Megatron-Core up to 47% on H100, lowered for long contexts: G];
+# Costs [sources §3, §6]: train MFU 0.40 [S: Megatron-Core up to 47% on H100, lowered for long contexts: G];
 # prefill MFU 0.40 [G]; colocate switches 10 s each way [S: vLLM sleep L1 1-6 s + trainer onload 1-15 s
-# (NeMo-RL), midpoints]; elastic role change of one unit 15 s [G: reference gives 2-20 s]; weight sync 2.5 s
+# (NeMo-RL), midpoints]; elastic role change of one unit 15 s [G: sources §6 gives 2-20 s]; weight sync 2.5 s
 # [D: 64 GB / 50 GB/s + ~1 s overhead]; migration overhead 0.15 s [D: 50-200 ms control]; micro-batch 64K
 # tokens [G: the trajectory service's default max_batch_tokens].
 DEFAULT_COSTS = CostSpec()

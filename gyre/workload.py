@@ -2,7 +2,7 @@
 sampler of every execution's turns. Pure data, shared by the cluster simulator (services/scheduler/sim),
 the `workload` environment of the rollout and paced devices (gyre/pacing.py): one file drives all three.
 
-Tags in comments say where a default comes from, as in /work/shared/reference/scheduling-and-workloads.md:
+Tags in comments say where a default comes from (docs/cost-model-sources.md, cited as "sources §n"):
 [S] the number is in a public source (named), [D] derived from published specs by stated arithmetic,
 [G] a guess or a modelling choice, fitted where it says so. Change any of them in a workload file.
 """
@@ -256,7 +256,7 @@ def load_workload_file(path: str | Path) -> Workload:
     return Workload.model_validate(data)
 
 
-# Environment mixture [S-informed G, reference §6.1]: 80% file edits/greps LogNormal(0.4 s, 0.6) (Daytona
+# Environment mixture [S-informed G, sources §7]: 80% file edits/greps LogNormal(0.4 s, 0.6) (Daytona
 # 0.26-0.6 s/action), 18% test/build runs Uniform(10, 60) s, 2% long experiments LogNormal(300 s, 1.0).
 AGENT_ENV = [
     LatencyComponent(weight=0.80, kind="lognormal", a=0.4, b=0.6),
@@ -269,7 +269,7 @@ XLONG = Workload(
     description="QwenGyre setting: ~700K tokens/rollout (cap 1M), hundreds of turns, 64 H200, 32B model",
     num_devices=64,  # [S: the brief / paper setting]
     devices_per_unit=4,  # [D] TP=4: 564 GB holds 64 GB weights + ~4 sequences at the time-averaged 350K context
-    tasks_per_step=8,  # [G] 8 tasks x 8 samples (GRPO n=8-16, reference §6.1)
+    tasks_per_step=8,  # [G] 8 tasks x 8 samples (GRPO n=8-16, sources §8)
     group_size=8,
     num_steps=8,
     warmup_steps=2,
@@ -282,7 +282,7 @@ XLONG = Workload(
             context_sigma=0.5,
             context_cap_tokens=1_000_000,
             group_correlation=0.5,  # [S qualitative: Seer, same-prompt lengths similar; value G]
-            generated_fraction=0.3,  # [G, reference §6.1]
+            generated_fraction=0.3,  # [G, sources §9]
             tokens_per_turn=2_500,  # [G] -> ~270 turns on average (KLong: 115-733 assistant turns [S])
             turn_size_sigma=1.0,  # [G]
             environment=AGENT_ENV,
