@@ -23,8 +23,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gyre.workload import BUILTIN_WORKLOADS, Workload, builtin, load_workload_file  # noqa: E402
 from services.scheduler.sim.compare import Comparison, SeedComparison, compare, with_seed  # noqa: E402
-from services.scheduler.sim.workload import BUILTIN_WORKLOADS, Workload, builtin, load_workload_file  # noqa: E402
 
 SENSITIVITY_WORKLOAD = "xlong"  # the headline workload, where Elastic moves devices (about 10 s a comparison)
 PARTIAL_CUTOFF_S = 3600.0  # [G] one hour after a group's first execution ended

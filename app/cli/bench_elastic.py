@@ -13,7 +13,7 @@ Elastic gets no split: it measures its home during the run (services/scheduler/s
 measured wall seconds per trainer step over the simulator's window (after `warmup_steps`), the
 simulator's prediction (modelled seconds / time_scale) and the relative error, reassignments, live
 migrations, executions interrupted, completed TRAIN handoffs, device-seconds per role (by lease and
-by work) and the idle fraction as the simulator defines it (busy-based; app/analytics/elastic.py).
+by work) and the idle fraction as the simulator defines it (busy-based; app/analytics/device_time.py).
 The run directories stay under --out, so `gyre compare` shows the same table for them.
 
 The live system and the simulator are configured to mean the same thing: engine max batch =
@@ -50,7 +50,7 @@ MAX_TOKENS = (
 def live_tokens_per_group(w: Any) -> int:
     """Real tree tokens of one group under the workload environment: every execution has the same
     tokens; the members share the first two (BOS, the opening's role token)."""
-    from services.rollout.environments.workload import live_tokens_per_execution
+    from services.rollout.environments.workload_plans import live_tokens_per_execution
 
     return w.group_size * live_tokens_per_execution(w, MAX_TOKENS) - 2 * (w.group_size - 1)
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from pydantic import ValidationError
 
-    from app.analytics.elastic import measure_run
+    from app.analytics.device_time import measure_run
     from app.job.run import run_job
     from gyre.workload import load_workload_file
     from services.scheduler.sim.compare import sweep_async

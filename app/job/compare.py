@@ -1,7 +1,7 @@
 """`gyre compare RUN_DIR...`: runs side by side, with the simulator's prediction for the same setup.
 
 For each run directory it reads `summary.json` (rebuilding the report from `events.jsonl` when the
-summary is missing) and the device measurements of app/analytics/elastic.py, and prints one
+summary is missing) and the device measurements of app/analytics/device_time.py, and prints one
 column per run: policy, trainer steps, time per step (whole run, and over the simulator's window
 after its warm-up steps), reassignments, live migrations, executions interrupted, TRAIN handoffs,
 device-seconds per role by lease and by work, the idle fraction as the simulator defines it
@@ -204,8 +204,8 @@ def predict(run_dir: Path, summary: dict[str, Any]) -> tuple[dict[str, float] | 
 
 
 def _measure(run_dir: Path) -> dict[str, Any]:
-    """The device measurements of a run (app/analytics/elastic.py); {} when it has no events."""
-    from app.analytics.elastic import measure_run
+    """The device measurements of a run (app/analytics/device_time.py); {} when it has no events."""
+    from app.analytics.device_time import measure_run
 
     try:
         return measure_run(run_dir)

@@ -37,7 +37,7 @@ def ensure_model_parallel() -> None:
     Safe to call any number of times, from any thread (a lock makes concurrent first calls one: two
     engines started at once used to fail with "pipeline model parallel group is already
     initialized"). The trainer's elastic data-parallel group is a separate process group
-    (services.trainer.elastic), so this world of one never changes size.
+    (services.trainer.dp_group), so this world of one never changes size.
     """
     import torch.distributed as dist
 

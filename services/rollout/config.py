@@ -184,7 +184,7 @@ class RolloutConfig(ConfigModel):
         "longhorizon",
         description=(
             "Task family of the executions; 'workload' follows the workload file of devices.pacing "
-            "(turns, tokens, tool latencies; for timing, services/rollout/environments/workload.py)."
+            "(turns, tokens, tool latencies; for timing, services/rollout/environments/workload_plans.py)."
         ),
     )
     workspace_tasks: Path = Field(

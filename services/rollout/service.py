@@ -49,7 +49,7 @@ def make_family(cfg: RolloutConfig, seed: int, pacer: Pacer | None = None) -> Ta
     if cfg.environment == "workload":  # the workload file of devices.pacing (gyre/pacing.py)
         from gyre.workload import load_workload_file
 
-        from .environments.workload import WorkloadFamily
+        from .environments.workload_plans import WorkloadFamily
 
         pacer = pacer or Pacer()
         if pacer.cfg.workload_file is None:

@@ -7,7 +7,7 @@
                for each micro-batch of the part (whole trees, <= micro_batch_tokens):
                    [boundary] -> shard over the ranks -> backward (gradients accumulate) -> all-reduce
            clip + optimizer step on every rank -> publish weight version -> every N steps: checkpoint
-    [boundary] = the data-parallel group follows the devices held (services.trainer.elastic):
+    [boundary] = the data-parallel group follows the devices held (services.trainer.dp_group):
                  ranks leave or join here, and with no device held the loop waits here.
 
 Without streaming (the default) the whole batch is pulled first and then cut into micro-batches.
@@ -20,7 +20,7 @@ pulled, recorded as trained with its step, acked once a checkpoint covers it —
 crash recovery are those of batches. `StepNormaliser` re-normalises the parts so that the step's
 loss and gradient equal those of one batch of the same groups. Devices lent or taken back mid-step
 are used or given up at the next micro-batch boundary, and the step is exact across the resize
-(elastic.py; tests/trainer/test_streaming.py checks both together in float64). Standalone (no
+(dp_group.py; tests/trainer/test_streaming.py checks both together in float64). Standalone (no
 scheduler: `devices` never set) the loop trains on one rank.
 
 Waits on: the devices (none held: no pull, no training), PullBatch (up to `pull_wait_s` when no
@@ -49,7 +49,7 @@ from services.trainer.batch import PackedBatch
 from services.trainer.checkpoint import CheckpointStore, Journal, TrainState
 from services.trainer.config import TrainerConfig
 from services.trainer.data import BatchSource, PartSource
-from services.trainer.elastic import ElasticGroup, ReplicaSpec
+from services.trainer.dp_group import ReplicaSpec, ResizableDPGroup
 from services.trainer.step import (
     DTYPES,
     backward_micro,
@@ -87,7 +87,9 @@ class Trainer:
         self.loss_settings = shard_loss_settings(self.loss_settings)
         self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
         self.device_index: dict[str, int] = {}  # leased device -> its index on its node (cuda:N)
-        self.dp = ElasticGroup(self.model, self.optimizer, self.ref_model, self.replica_spec, self.move_rank0)
+        self.dp = ResizableDPGroup(
+            self.model, self.optimizer, self.ref_model, self.replica_spec, self.move_rank0
+        )
         self.dp.request_devices([STANDALONE_DEVICE])
         self.dp.apply()
         self.stopping = False

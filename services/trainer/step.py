@@ -7,7 +7,7 @@
     finish_step                      clip the accumulated gradient -> optimizer step
 
 The distributed trainer (services.trainer.loop.Trainer.train_step) runs these around its
-boundaries and all-reduces (services.trainer.elastic: rank 0 here, workers in worker_main);
+boundaries and all-reduces (services.trainer.dp_group: rank 0 here, workers in worker_main);
 `train_batch` runs them in one process with no boundary, as `examples/rl_loop.py` does. Both reach
 the same gradient for the same batch and micro-batch budget (up to float summation order), because
 they are the same functions in the same order.

@@ -17,7 +17,7 @@ from services.rollout.agent import AgentConfig, Conversation
 from services.rollout.engines.base import GenerationRequest, Sampling
 from services.rollout.engines.torch_engine import TorchEngine
 from services.rollout.environments.base import Action
-from services.rollout.environments.workload import WorkloadEnv, WorkloadFamily, target_hit
+from services.rollout.environments.workload_plans import WorkloadEnv, WorkloadFamily, target_hit
 
 SMALL = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "small.yaml"
 

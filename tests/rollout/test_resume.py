@@ -26,7 +26,7 @@ from services.rollout.engines.base import Completion, GenerationRequest
 from services.rollout.engines.torch_engine import TorchEngine
 from services.rollout.environments.base import TaskFamily
 from services.rollout.environments.longhorizon import LongHorizonEnv, LongHorizonFamily, LongHorizonSpec
-from services.rollout.environments.workload import WorkloadFamily
+from services.rollout.environments.workload_plans import WorkloadFamily
 from services.rollout.environments.workspace import WorkspaceFamily
 from services.rollout.executions import ExecutionManager
 from services.rollout.resume import ResumePlan

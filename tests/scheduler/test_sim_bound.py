@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from gyre.workload import ServiceSemantics
 from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Policy
 from services.scheduler.sim import load_workload_file
 from services.scheduler.sim.bound import makespan_lower_bound_s
 from services.scheduler.sim.compare import _prepared, simulate, with_semantics
-from services.scheduler.sim.workload import ServiceSemantics
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "examples" / "workloads"
 SEMANTICS = {

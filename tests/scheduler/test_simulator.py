@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from gyre.costmodel import CostModel
+from gyre.workload import ServiceSemantics, Workload
 from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Role
 from services.scheduler.sim import builtin, load_workload_file, predict, simulate
 from services.scheduler.sim.cli import main as sim_main
 from services.scheduler.sim.compare import compare_seeds, interval, with_semantics
 from services.scheduler.sim.engine import Simulation
 from services.scheduler.sim.sample import sample_executions
-from services.scheduler.sim.workload import ServiceSemantics, Workload
 
 SMALL = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "small.yaml"
 
@@ -170,8 +170,8 @@ def test_service_semantics_default_to_what_the_live_services_do() -> None:
 
 
 def test_every_command_in_the_simulator_doc_parses_and_names_a_real_workload() -> None:
+    from gyre.workload import BUILTIN_WORKLOADS
     from services.scheduler.sim.cli import _parser
-    from services.scheduler.sim.workload import BUILTIN_WORKLOADS
 
     root = Path(__file__).resolve().parents[2]
     doc = (root / "docs" / "simulator.md").read_text()

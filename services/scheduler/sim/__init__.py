@@ -5,7 +5,7 @@ Public API: `Workload`, `builtin(name)`, `load_workload_file(path)`, `simulate(w
 comparison of every policy lives in `services.scheduler.sim.compare` (`compare`, `compare_seeds`).
 """
 
+from gyre.workload import BUILTIN_WORKLOADS, Workload, builtin, load_workload_file
 from services.scheduler.sim.compare import predict, simulate
-from services.scheduler.sim.workload import BUILTIN_WORKLOADS, Workload, builtin, load_workload_file
 
 __all__ = ["BUILTIN_WORKLOADS", "Workload", "builtin", "load_workload_file", "predict", "simulate"]

@@ -23,8 +23,8 @@ may be slow in its warm-up and fast afterwards, so no per-step bound follows fro
 
 from __future__ import annotations
 
+from gyre.workload import Workload
 from services.scheduler.sim.sample import ExecutionPlan
-from services.scheduler.sim.workload import Workload
 
 
 def execution_floor_s(plan: ExecutionPlan, w: Workload) -> float:

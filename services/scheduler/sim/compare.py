@@ -35,11 +35,11 @@ import numpy as np
 import yaml
 from scipy import stats
 
+from gyre.workload import ServiceSemantics, Workload, load_workload_file
 from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Policy
 from services.scheduler.sim.bound import makespan_lower_bound_s
 from services.scheduler.sim.engine import SimResult, Simulation
 from services.scheduler.sim.sample import ExecutionPlan, sample_executions
-from services.scheduler.sim.workload import ServiceSemantics, Workload, load_workload_file
 
 # What the paper's baselines do: no streaming trainer, no partial progress (resize is moot for them).
 PAPER_SEMANTICS = ServiceSemantics(

@@ -43,6 +43,7 @@ from typing import Any
 
 from gyre.costmodel import CostModel
 from gyre.pipeline_rules import cutoff_due_s, group_ready, may_start_batch
+from gyre.workload import Workload
 from services.scheduler.policies import Policy, PoolSnapshot, Role
 from services.scheduler.sim.sample import ExecutionPlan
 from services.scheduler.sim.state import (
@@ -62,7 +63,6 @@ from services.scheduler.sim.state import (
     Unit,
 )
 from services.scheduler.sim.trainer_side import TrainerSide
-from services.scheduler.sim.workload import Workload
 from services.scheduler.split_meter import SplitMeter
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from gyre.costmodel import CostModel
 from gyre.v1 import scheduler_pb2
+from gyre.workload import ServiceSemantics, Workload
 from services.scheduler.policies import DeviceState, Policy, PoolSnapshot, Role
 from services.scheduler.sim.state import Event, Execution, RoundDone, SimResult, Unit, integrate
-from services.scheduler.sim.workload import ServiceSemantics, Workload
 from services.scheduler.snapshot import pool_snapshot
 from services.scheduler.split_meter import SplitMeter
 

@@ -205,7 +205,7 @@ def _expect(worker: _Worker, kind: str) -> Any:
     return msg[1] if len(msg) > 1 else None
 
 
-class ElasticGroup:
+class ResizableDPGroup:
     """The data-parallel group as rank 0 sees it: one rank per device, resized by `apply`.
 
     Not thread-safe: the trainer calls it only at micro-batch boundaries and inside a micro-batch
