@@ -40,7 +40,19 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf import json_format
+
 from app.job.bootstrap import Interval, bootstrap_difference, bootstrap_mean
+from app.job.typed_events import (
+    EventLogError,
+    TypedRecord,
+    enum_name,
+    typed,
+    typed_all,
+)
+from app.job.typed_events import execution_score as typed_execution_score
+from app.job.typed_events import progress_fraction as typed_progress_fraction
+from gyre.v1 import common_pb2, events_pb2
 
 ROLES = ("rollout", "train", "switching", "idle")
 ROLE_NAMES = {"DEVICE_ROLE_ROLLOUT": "rollout", "DEVICE_ROLE_TRAIN": "train", "DEVICE_ROLE_IDLE": "idle"}
@@ -48,14 +60,14 @@ _TERMINAL_KINDS = {"KIND_FINISHED", "KIND_TRUNCATED", "KIND_FAILED"}
 ZERO_VARIANCE_STD = 1e-9  # a group whose reward_std is at most this has zero variance
 
 
-def teaches_nothing(scored: dict[str, Any]) -> bool:
+def teaches_nothing(scored: events_pb2.GroupScoredEvent | dict[str, Any]) -> bool:
     """A GroupScoredEvent (proto3 JSON: zeros omitted) whose rewards all agree and whose tokens are
     all trained with advantage 0. Under per-call credit a group with equal final rewards can still
     teach (its calls' advantages differ), so reward_std alone would overstate silent groups."""
-    return (
-        _f(scored.get("reward_std")) <= ZERO_VARIANCE_STD
-        and _f(scored.get("advantage_abs_max")) <= ZERO_VARIANCE_STD
-    )
+    if isinstance(scored, dict):
+        scored = typed({"type": "GroupScoredEvent", "event": scored}).event  # type: ignore[assignment]
+    assert isinstance(scored, events_pb2.GroupScoredEvent)
+    return scored.reward_std <= ZERO_VARIANCE_STD and scored.advantage_abs_max <= ZERO_VARIANCE_STD
 
 
 STALL_WINDOW_STEPS = 10
@@ -307,43 +319,27 @@ def detect_stall(
 # helpers over records
 
 
-def _f(x: Any, default: float = 0.0) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return default
-
-
 def event_time(record: dict[str, Any]) -> float:
-    """When the event happened: its `created_unix_s` (or a nested weights/step time), else receipt time."""
-    ev = record["event"]
-    for key in ("created_unix_s", "finished_unix_s"):
-        if _f(ev.get(key)) > 0:
-            return _f(ev[key])
-    weights = ev.get("weights") or {}
-    if _f(weights.get("created_unix_s")) > 0:
-        return _f(weights["created_unix_s"])
-    return _f(record.get("recv_unix_s"))
+    """When a logged event happened (seconds since the epoch; app/job/typed_events.py)."""
+    return typed(record).time
 
 
 def progress_fraction(progress: dict[str, Any] | None) -> float | None:
-    """Partial progress in [0, 1] from a ProgressSignal dict: milestones first, else tests passing."""
+    """Partial progress in [0, 1] of a logged ProgressSignal (typed_events.progress_fraction)."""
     if not progress:
         return None
-    total = _f(progress.get("milestones_total"))
-    if total > 0:
-        return min(1.0, max(0.0, _f(progress.get("milestones_reached")) / total))
-    if "tests_passed_fraction" in progress:
-        return min(1.0, max(0.0, _f(progress["tests_passed_fraction"])))
-    return None
+    try:
+        signal = json_format.ParseDict(progress, common_pb2.ProgressSignal())
+    except json_format.ParseError as exc:
+        raise EventLogError(f"progress signal: {exc}") from None
+    return typed_progress_fraction(signal)
 
 
 def execution_score(ev: dict[str, Any]) -> float:
-    """An ended execution's score including partial progress: final reward, else progress, else 0."""
-    if "reward" in ev and ev.get("kind") == "KIND_FINISHED":
-        return _f(ev["reward"])
-    frac = progress_fraction(ev.get("progress"))
-    return frac if frac is not None else 0.0
+    """A logged ended execution's score including partial progress (typed_events.execution_score)."""
+    message = typed({"type": "ExecutionEvent", "event": ev}).event
+    assert isinstance(message, events_pb2.ExecutionEvent)
+    return typed_execution_score(message)
 
 
 class _StepClock:
@@ -363,20 +359,20 @@ class _StepClock:
 # the analysis
 
 
-def _role_of(lease: dict[str, Any]) -> str:
-    state = lease.get("state", "")
+def _role_of(lease: common_pb2.Lease) -> str:
+    state = enum_name(lease, "state")
     if state in ("LEASE_STATE_RELEASED", "LEASE_STATE_GRANTED"):
         return "switching"
-    return ROLE_NAMES.get(lease.get("role", ""), "idle")
+    return ROLE_NAMES.get(enum_name(lease, "role"), "idle")
 
 
-def _role_segments(leases: list[tuple[float, dict[str, Any]]], t0: float, t_end: float) -> list[RoleSegment]:
+def _role_segments(
+    leases: list[tuple[float, events_pb2.LeaseEvent]], t0: float, t_end: float
+) -> list[RoleSegment]:
     by_device: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for t, ev in sorted(leases, key=lambda x: x[0]):
-        lease = ev.get("lease") or {}
-        device = lease.get("device_id")
-        if device:
-            by_device[str(device)].append((t - t0, _role_of(lease)))
+        if ev.HasField("lease") and ev.lease.device_id:
+            by_device[ev.lease.device_id].append((t - t0, _role_of(ev.lease)))
     segments: list[RoleSegment] = []
     for device, changes in sorted(by_device.items()):
         for i, (start, role) in enumerate(changes):
@@ -387,26 +383,30 @@ def _role_segments(leases: list[tuple[float, dict[str, Any]]], t0: float, t_end:
 
 
 def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
-    """Everything the report shows, from event log records (any order)."""
+    """Everything the report shows, from event log records (any order). Every record is typed first
+    (app/job/typed_events.py): a malformed one is an EventLogError naming it, not a silent 0."""
     if not records:
         raise ValueError("the event log holds no events: did the run start? (expected run_dir/events.jsonl)")
-    by_type: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        by_type[r["type"]].append(r)
-    times = [event_time(r) for r in records]
+    rows_typed = typed_all(records)
+    by_type: dict[str, list[TypedRecord]] = defaultdict(list)
+    for r in rows_typed:
+        by_type[r.type].append(r)
+    times = [r.time for r in rows_typed]
     t0, t_end = min(times), max(times)
 
-    run_ids = Counter(str(r["event"].get("run_id", "")) for r in records if r["event"].get("run_id"))
+    run_ids = Counter(
+        str(getattr(r.event, "run_id", "")) for r in rows_typed if getattr(r.event, "run_id", "")
+    )
     run_id = run_ids.most_common(1)[0][0] if run_ids else ""
 
     publish_times: dict[int, float] = {}
     metrics_by_version: dict[int, dict[str, float]] = {}
     for r in by_type["WeightsPublishedEvent"]:
-        version = int(_f((r["event"].get("weights") or {}).get("version")))
-        t = event_time(r)
-        if version not in publish_times or t < publish_times[version]:
-            publish_times[version] = t
-        metrics_by_version[version] = {k: _f(v) for k, v in (r["event"].get("metrics") or {}).items()}
+        assert isinstance(r.event, events_pb2.WeightsPublishedEvent)
+        version = int(r.event.weights.version)
+        if version not in publish_times or r.time < publish_times[version]:
+            publish_times[version] = r.time
+        metrics_by_version[version] = {k: float(v) for k, v in r.event.metrics.items()}
     clock = _StepClock(publish_times)
     num_steps = max((v for v in publish_times if v > 0), default=0)
 
@@ -418,35 +418,35 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
         row.trainer_metrics = metrics_by_version.get(s + 1, {})
 
     for r in by_type["GroupScoredEvent"]:
-        ev = r["event"]
-        row = steps[min(clock.step_at(event_time(r)), num_steps)]
-        row.scored_samples.append(_f(ev.get("reward_mean", 0.0), math.nan))  # proto3 JSON omits 0
+        scored = r.event
+        assert isinstance(scored, events_pb2.GroupScoredEvent)
+        row = steps[min(clock.step_at(r.time), num_steps)]
+        if not math.isnan(scored.reward_mean):
+            row.scored_samples.append(scored.reward_mean)
         row.num_groups += 1
-        row.num_paths += int(_f(ev.get("num_paths")))
-        row.num_exact_merged += int(_f(ev.get("num_exact_merged")))
-        row.num_near_duplicates += int(_f(ev.get("num_near_duplicates")))
-        row.num_zero_variance_groups += teaches_nothing(ev)
-    for row in steps:
-        row.scored_samples = [x for x in row.scored_samples if not math.isnan(x)]
+        row.num_paths += scored.num_paths
+        row.num_exact_merged += scored.num_exact_merged
+        row.num_near_duplicates += scored.num_near_duplicates
+        row.num_zero_variance_groups += teaches_nothing(scored)
 
     execution_counts: Counter[str] = Counter()
     ended_at: dict[str, float] = {}
     group_scores: dict[tuple[int, str], list[float]] = defaultdict(list)
     for r in by_type["ExecutionEvent"]:
-        ev = r["event"]
-        kind = str(ev.get("kind", "KIND_UNSPECIFIED"))
+        ev = r.event
+        assert isinstance(ev, events_pb2.ExecutionEvent)
+        kind = enum_name(ev, "kind")
         execution_counts[kind.removeprefix("KIND_").lower()] += 1
         if kind in _TERMINAL_KINDS:
-            t = event_time(r)
-            ended_at[str(ev.get("execution_id", ""))] = t
-            row = steps[min(clock.step_at(t), num_steps)]
-            frac = progress_fraction(ev.get("progress"))
-            row.progress_samples.append(frac if frac is not None else execution_score(ev))
-            oracle = ((ev.get("progress") or {}).get("extra") or {}).get("oracle_reward")
-            if oracle is not None:
-                row.oracle_samples.append(_f(oracle))
-            group = str(ev.get("group_id") or ev.get("execution_id", ""))
-            group_scores[(row.step, group)].append(execution_score(ev))
+            ended_at[ev.execution_id] = r.time
+            row = steps[min(clock.step_at(r.time), num_steps)]
+            progress = ev.progress if ev.HasField("progress") else None
+            frac = typed_progress_fraction(progress)
+            score = typed_execution_score(ev)
+            row.progress_samples.append(frac if frac is not None else score)
+            if progress is not None and "oracle_reward" in progress.extra:
+                row.oracle_samples.append(float(progress.extra["oracle_reward"]))
+            group_scores[(row.step, ev.group_id or ev.execution_id)].append(score)
     for (step, _group), scores in sorted(group_scores.items()):
         steps[step].reward_samples.append(statistics.fmean(scores))
     if not group_scores:
@@ -456,18 +456,18 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
     batch_times: list[float] = []
     batch_versions: list[int] = []
     batch_max_staleness: list[int] = []
-    for r in sorted(by_type["BatchReadyEvent"], key=event_time):
-        ev = r["event"]
-        t = event_time(r)
-        trainer_version = clock.step_at(t)
-        batch_times.append(t)
+    for r in sorted(by_type["BatchReadyEvent"], key=lambda r: r.time):
+        batch = r.event
+        assert isinstance(batch, events_pb2.BatchReadyEvent)
+        trainer_version = clock.step_at(r.time)
+        batch_times.append(r.time)
         batch_versions.append(trainer_version)
-        if int(_f(ev.get("num_tokens"))) > 0:
-            batch_max_staleness.append(trainer_version - int(_f(ev.get("min_policy_version"))))
+        if batch.num_tokens > 0:
+            batch_max_staleness.append(trainer_version - int(batch.min_policy_version))
         row = steps[min(trainer_version, num_steps)]
         row.num_batches += 1
-        row.batch_tokens += int(_f(ev.get("num_tokens")))
-        row.batch_flat_tokens += int(_f(ev.get("num_flat_tokens")))
+        row.batch_tokens += int(batch.num_tokens)
+        row.batch_flat_tokens += int(batch.num_flat_tokens)
 
     staleness: Counter[int] = Counter()
     untrained = 0
@@ -479,36 +479,40 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
     exec_calls: Counter[str] = Counter()
     exec_generated: Counter[str] = Counter()
     for r in by_type["StepEvent"]:
-        ev = r["event"]
+        call, summary = r.event, r.step
+        assert isinstance(call, events_pb2.StepEvent) and summary is not None
         num_calls += 1
-        eid = str(ev.get("execution_id", ""))
-        n_out = int(_f(ev.get("num_completion_tokens")))
-        exec_context[eid] = max(exec_context[eid], int(_f(ev.get("num_prompt_tokens"))) + n_out)
+        eid = call.execution_id
+        n_out = summary.num_completion_tokens
+        exec_context[eid] = max(exec_context[eid], summary.num_prompt_tokens + n_out)
         exec_calls[eid] += 1
         exec_generated[eid] += n_out
-        num_completion_tokens += int(_f(ev.get("num_completion_tokens")))
-        num_migrations += int(_f(ev.get("num_migrations")))
-        if ev.get("context_event"):
-            context_events[str(ev["context_event"])] += 1
-        ready = ended_at.get(str(ev.get("execution_id", "")), event_time(r))
+        num_completion_tokens += n_out
+        num_migrations += call.num_migrations
+        if call.context_event:
+            context_events[call.context_event] += 1
+        ready = ended_at.get(eid, r.time)
         i = bisect.bisect_left(batch_times, ready)
-        for version_text, count in (ev.get("completion_version_counts") or {}).items():
+        for version, count in summary.version_counts.items():
             if i < len(batch_times):
-                staleness[batch_versions[i] - int(version_text)] += int(count)
+                staleness[batch_versions[i] - version] += count
             else:
-                untrained += int(count)
+                untrained += count
 
-    leases = [(event_time(r), r["event"]) for r in by_type["LeaseEvent"]]
+    leases: list[tuple[float, events_pb2.LeaseEvent]] = []
+    for r in by_type["LeaseEvent"]:
+        assert isinstance(r.event, events_pb2.LeaseEvent)
+        leases.append((r.time, r.event))
     segments = _role_segments(leases, t0, t_end)
     device_time = {role: 0.0 for role in ROLES}
     for seg in segments:
         device_time[seg.role] += seg.end_s - seg.start_s
     policies = Counter(  # REGISTERED is a worker joining the pool, not a policy decision
-        str(ev.get("policy"))
+        ev.policy
         for _, ev in leases
-        if ev.get("policy") not in (None, "", "operator") and ev.get("kind") != "KIND_REGISTERED"
+        if ev.policy not in ("", "operator") and enum_name(ev, "kind") != "KIND_REGISTERED"
     )
-    num_reassign = sum(1 for _, ev in leases if ev.get("kind") == "KIND_REASSIGN")
+    num_reassign = sum(1 for _, ev in leases if enum_name(ev, "kind") == "KIND_REASSIGN")
 
     return RunAnalysis(
         run_id=run_id,
