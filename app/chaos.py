@@ -4,7 +4,8 @@ Runs one job of CONFIG (default: the quickstart) exactly as `gyre run` does — 
 supervised process, embedded NATS and Postgres — and meanwhile, one fault at a time:
 
     for target in scheduler, rollout, trajectory, trainer, nats, postgres:
-        wait for trainer step s_target (spread over the run) + a random delay (seeded)
+        wait for trainer step s_target (spread over the run) + a random delay (seeded); a rollout
+        kill then also waits for a live execution (started, not ended), so resuming is exercised
         SIGKILL the target's process (postgres: a fast shutdown, i.e. a restart of the server)
         wait until the supervisor brought it back and every service reports SERVING  -> recovery_s
         wait until the trainer publishes its next weight version                     -> progress_resumed_s
@@ -123,12 +124,30 @@ async def _until_version(tracker: Any, version: int, deadline_unix_s: float) -> 
         await asyncio.sleep(0.2)
 
 
+LIVE_WAIT_S = 60.0  # longest wait for live executions before a rollout kill
+
+
+async def _until_live_executions(tracker: Any, deadline_unix_s: float) -> bool:
+    """Poll every 0.1 s until the event stream shows an execution started and not ended (True) or
+    the deadline passed (False). Executions start in bursts after a weights version and most end
+    within seconds: a rollout killed between bursts has nothing to resume and tests nothing."""
+    while True:
+        if tracker.executions["started"] > tracker.executions["ended"]:
+            return True
+        if time.time() > deadline_unix_s:
+            return False
+        await asyncio.sleep(0.1)
+
+
 async def inject(deployment: Any, tracker: Any, faults: list[Fault]) -> None:
-    """Inject `faults` one after the other (module docstring); never raises, errors are recorded."""
+    """Inject `faults` one after the other (module docstring); never raises, errors are recorded.
+    A rollout kill waits (up to LIVE_WAIT_S) for live executions, so that resuming is exercised."""
     for fault in faults:
         try:
             await _until_version(tracker, fault.at_step, math.inf)
             await asyncio.sleep(fault.delay_s)
+            if fault.target == "rollout":
+                await _until_live_executions(tracker, time.time() + LIVE_WAIT_S)
             fault.step_at_kill = tracker.version
             fault.injected_at = time.time()
             _kill(deployment, fault.target)
