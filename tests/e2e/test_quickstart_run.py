@@ -104,3 +104,37 @@ def test_quickstart_run_completes_with_consistent_events_trees_and_weights(
     assert "reward_first20" in text and "reward_last20" in text
     for name in ("reward", "device_roles", "tree_dedup", "staleness", "time_breakdown"):
         assert (run_dir / "plots" / f"{name}.png").is_file()
+
+
+def test_the_dashboard_of_the_run_draws_one_lane_per_device_and_every_stored_node_of_a_group(
+    quickstart_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """`gyre ui` over the finished run (its app, served in-process; no browser on CI machines): the
+    device lanes are the pool, and a group's page draws exactly the nodes the trajectory store holds
+    for it (`store_num_nodes`, counted by SQL at export, not from the rebuilt view)."""
+    import re
+
+    import yaml
+    from starlette.testclient import TestClient
+
+    from app.ui.data import read_trees
+    from app.ui.server import create_app, run_key
+
+    proc, run_dir = quickstart_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    key, key_path = run_key(run_dir)
+    client = TestClient(create_app(run_dir, key, key_path))
+    assert client.get("/").status_code == 401  # the key is needed
+    overview = client.get(f"/?key={key}")  # sets the cookie and redirects
+    assert overview.status_code == 200
+    pool = int(yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["num_devices"])
+    assert overview.text.count('<g class="lane"') == pool
+    assert f'data-devices="{pool}"' in overview.text
+
+    trees = read_trees(run_dir)
+    assert trees, "the run exported no trees"
+    group_id, group = max(trees.items(), key=lambda kv: len(kv[1]["nodes"]))
+    page = client.get(f"/groups/{group_id}")
+    assert page.status_code == 200
+    drawn = len(re.findall(r'<g class="tree-node[^"]*" data-node-id=', page.text))
+    assert drawn == group["store_num_nodes"] == len(group["nodes"]) > 1
