@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,34 @@ def offline_run_log(wandb_dir: Path) -> Path:
     if not found:
         raise FileNotFoundError(f"no offline W&B run under {wandb_dir}")
     return found[-1]
+
+
+def record_types(path: Path) -> list[str]:
+    """The record type of every record of a .wandb file, in order (e.g. "run", "history", "exit")."""
+    from wandb.proto import wandb_internal_pb2
+
+    out = []
+    for payload in payloads(path):
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+        record.ParseFromString(payload)
+        out.append(str(record.WhichOneof("record_type")))
+    return out
+
+
+def complete_run_log(wandb_dir: Path, *, timeout_s: float = 60.0) -> Path:
+    """`offline_run_log(wandb_dir)` once it holds its `exit` record: W&B's service process writes the
+    log behind the client, so a log read right after `finish()` on a loaded machine can still lack
+    its last records. TimeoutError if the exit record does not come within `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            path = offline_run_log(wandb_dir)
+            if "exit" in record_types(path):
+                return path
+        except (FileNotFoundError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the offline W&B run under {wandb_dir} has no exit record after {timeout_s:.0f} s"
+            )
+        time.sleep(0.2)

@@ -84,13 +84,13 @@ def test_tensorboard_event_file_reads_back_the_reward_series(report_run, tmp_pat
 def test_offline_wandb_run_reads_back_the_reward_series(
     report_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gyre.tracking.wandb_reader import history_rows, offline_run_log
+    from gyre.tracking.wandb_reader import complete_run_log, history_rows
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     _, curve, records = report_run
     _log_report(tmp_path, ["wandb"], records)
-    rows = history_rows(offline_run_log(sink_dir(tmp_path, "wandb")))
+    rows = history_rows(complete_run_log(sink_dir(tmp_path, "wandb")))
     got = [(r["learning/step"], r["learning/reward"]) for r in rows if "learning/reward" in r]
     assert got == _finite_curve(curve)
 
