@@ -32,7 +32,7 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    spec = get_gpt_layer_local_spec(normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = GyreCoreAttention
     with BUILD_LOCK, torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:

@@ -3,7 +3,8 @@
 Pure pydantic (no torch import), so service configs can embed it and stay light to load. The
 defaults are a tiny CPU model (2 layers, hidden 64) that fits the byte-level tokenizer
 (`vocab_size=512`). Llama / Qwen2 checkpoints map onto it through `services.trainer.hf`:
-RoPE + RMSNorm + SwiGLU + grouped-query attention + optional tied embeddings and qkv bias.
+RoPE (optionally Llama-3.1 scaled) + RMSNorm + SwiGLU + grouped-query attention + optional tied
+embeddings, qkv bias (Qwen2) and per-head q/k norms (Qwen3).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ class ModelConfig(ConfigModel):
     num_layers: int = Field(default=2, ge=1, description="Number of transformer layers.")
     hidden_size: int = Field(default=64, ge=1, description="Width of the residual stream.")
     num_attention_heads: int = Field(default=4, ge=1, description="Query heads per layer.")
+    kv_channels: int | None = Field(
+        default=None,
+        ge=1,
+        description="Channels per attention head (HF `head_dim`); None = hidden_size / num_attention_heads. "
+        "Set it when heads * head_dim differs from hidden_size (e.g. Qwen3).",
+    )
     num_query_groups: int | None = Field(
         default=None,
         ge=1,
@@ -41,6 +48,31 @@ class ModelConfig(ConfigModel):
         "'learned': a learned absolute position table indexed by position id.",
     )
     rotary_base: float = Field(default=10000.0, gt=0, description="RoPE base (theta); Llama-3 uses 500000.")
+    rope_scaling: Literal["none", "llama3"] = Field(
+        default="none",
+        description="RoPE frequency scaling: 'none' = plain rotary embedding; 'llama3' = Llama 3.1's "
+        "(HF rope_type 'llama3'): low frequencies divided by rope_scaling_factor, high ones kept, "
+        "the band between smoothly interpolated.",
+    )
+    rope_scaling_factor: float = Field(
+        default=8.0, gt=0, description="'llama3' scaling: divisor of the low frequencies (HF `factor`)."
+    )
+    rope_low_freq_factor: float = Field(
+        default=1.0,
+        gt=0,
+        description="'llama3' scaling: wavelengths above original_max / this are scaled (HF `low_freq_factor`).",
+    )
+    rope_high_freq_factor: float = Field(
+        default=4.0,
+        gt=0,
+        description="'llama3' scaling: wavelengths below original_max / this are kept (HF `high_freq_factor`).",
+    )
+    rope_original_max_position_embeddings: int = Field(
+        default=8192,
+        ge=1,
+        description="'llama3' scaling: context length the model was pretrained with "
+        "(HF `original_max_position_embeddings`).",
+    )
     normalization: Literal["RMSNorm", "LayerNorm"] = Field(
         default="RMSNorm", description="Norm of every layer and the final norm."
     )
@@ -49,6 +81,11 @@ class ModelConfig(ConfigModel):
     add_bias_linear: bool = Field(default=False, description="Biases on every linear layer (GPT-2 style).")
     add_qkv_bias: bool = Field(
         default=False, description="Bias on the fused q/k/v projection only (Qwen2 style)."
+    )
+    qk_layernorm: bool = Field(
+        default=False,
+        description="Per-head norm (of the `normalization` kind, weights [head_dim]) on queries and keys "
+        "before RoPE (Qwen3 style: q_norm / k_norm).",
     )
     tie_embeddings: bool = Field(
         default=False, description="Share the input embedding matrix with the output layer."
@@ -66,7 +103,7 @@ class ModelConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be divisible by num_attention_heads {self.num_attention_heads}"
             )
@@ -75,14 +112,21 @@ class ModelConfig(ConfigModel):
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of num_query_groups {groups}"
             )
-        if self.position_embedding == "rope" and (self.hidden_size // self.num_attention_heads) % 2:
-            raise ValueError("RoPE needs an even head dimension (hidden_size / num_attention_heads)")
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ValueError(
+                "RoPE needs an even head dimension (kv_channels or hidden_size / num_attention_heads)"
+            )
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(
+                f"rope_high_freq_factor {self.rope_high_freq_factor} must exceed rope_low_freq_factor "
+                f"{self.rope_low_freq_factor}"
+            )
         return self
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head."""
-        return self.hidden_size // self.num_attention_heads
+        """Channels per attention head (kv_channels, defaulting to hidden_size / num_attention_heads)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def kv_heads(self) -> int:

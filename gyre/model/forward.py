@@ -9,6 +9,7 @@ is wrong for tree-packed tokens (a branch's tokens keep the positions of their o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,20 +18,38 @@ import torch
 from gyre.errors import InvalidArgument
 from gyre.model.attention import AttentionMask, TreeLayout
 from gyre.model.build import model_config_of
+from gyre.model.config import ModelConfig
 
 # (layer index, k [B, Hkv, S, d], v) -> (k, v) that the new queries attend to (e.g. cache + new).
 KVHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2] (float64), with `cfg.rope_scaling` applied.
+
+    'llama3' is Llama 3.1's scaling (HF `_compute_llama3_parameters`): wavelengths shorter than
+    original_max / high_freq_factor are kept, longer than original_max / low_freq_factor divided
+    by the factor, and the band between interpolated linearly in original_max / wavelength.
+    """
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+    if cfg.rope_scaling == "llama3":
+        factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        original = cfg.rope_original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
 
 
 def rope_cos_sin(
     model: Any, position_ids: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, 1, S, d] for position ids [B, S] (rotate-half convention, as Megatron and HF Llama)."""
-    cfg = model_config_of(model)
-    d = cfg.head_dim
-    inv_freq = 1.0 / (
-        cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64, device=position_ids.device) / d)
-    )
+    inv_freq = rope_inv_freq(model_config_of(model), position_ids.device)
     angles = position_ids.to(torch.float64)[..., None] * inv_freq
     emb = torch.cat([angles, angles], dim=-1)[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -1,4 +1,4 @@
-"""Hugging Face interop: import a Llama / Qwen2-style checkpoint into our Megatron model and export back.
+"""Hugging Face interop: import a Llama / Qwen2 / Qwen3-style checkpoint into our Megatron model and export back.
 
 Shared by the trainer (it starts training from the checkpoint) and the rollout torch engine (it
 serves the same weights as version 0), so it lives in the runtime, beside the model definition.
@@ -10,6 +10,8 @@ vLLM serves). Mapping (per layer i, Megatron names on the left):
     decoder.layers.i.input_layernorm       <- model.layers.i.input_layernorm
     ...self_attention.linear_qkv (+bias)   <- q_proj, k_proj, v_proj interleaved per key/value group:
                                               [q heads of group g, k_g, v_g] for g = 0..groups-1
+    ...self_attention.q_layernorm          <- q_norm   (Qwen3 only: per-head RMSNorm, [head_dim])
+    ...self_attention.k_layernorm          <- k_norm   (Qwen3 only)
     ...self_attention.linear_proj          <- o_proj
     decoder.layers.i.pre_mlp_layernorm     <- post_attention_layernorm
     ...mlp.linear_fc1                      <- cat(gate_proj, up_proj)   (SwiGLU: silu(first half) * second)
@@ -17,8 +19,10 @@ vLLM serves). Mapping (per layer i, Megatron names on the left):
     decoder.final_layernorm                <- model.norm
     output_layer                           <- lm_head (absent when tie_word_embeddings)
 
-Only RoPE without scaling ("default" rope type), RMSNorm, SwiGLU and head_dim = hidden / heads are
-supported; anything else is refused with a clear error rather than imported wrongly. Tensors keep
+Supported: RoPE, plain ("default" rope type) or Llama-3.1 scaled ("llama3", every parameter taken
+from the config), RMSNorm, SwiGLU, any head_dim (Qwen3's heads * head_dim != hidden maps to
+kv_channels), full attention; anything else (other rope types, sliding windows, partial rotary,
+MLP or o_proj biases) is refused with a clear error rather than imported wrongly. Tensors keep
 their values exactly (a float32 round trip import -> export is bit-identical); the model's own
 dtype applies on load.
 
@@ -38,7 +42,53 @@ import torch
 from gyre.errors import InvalidArgument
 from gyre.model import ModelConfig, build_model
 
-_SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# keys a rope_parameters / rope_scaling mapping may hold, per rope type
+_ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta"},
+    "llama3": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    },
+}
+
+
+def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig rope fields for an HF config (InvalidArgument naming an unsupported rope type or key)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in _ROPE_KEYS:
+        raise InvalidArgument(
+            f"rope type {kind!r} is not supported (supported: {sorted(_ROPE_KEYS)}); rope parameters {rope!r}"
+        )
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise InvalidArgument("partial_rotary_factor other than 1.0 is not supported")
+    extra = sorted(set(rope) - _ROPE_KEYS[kind] - {"partial_rotary_factor"})
+    if extra:
+        raise InvalidArgument(f"rope type {kind!r}: parameters {extra} are not supported")
+    fields: dict[str, Any] = {"rotary_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            if key not in rope:
+                raise InvalidArgument(f"rope type 'llama3' needs {key!r}; rope parameters {rope!r}")
+        fields.update(
+            rope_scaling="llama3",
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
+            ),
+        )
+        if fields["rope_high_freq_factor"] <= fields["rope_low_freq_factor"]:
+            raise InvalidArgument("rope type 'llama3': high_freq_factor must exceed low_freq_factor")
+    return fields
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -46,38 +96,41 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     kind = hf.get("model_type")
     if kind not in _SUPPORTED:
         raise InvalidArgument(f"model_type {kind!r} is not supported; supported: {sorted(_SUPPORTED)}")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise InvalidArgument(f"rope scaling {rope!r} is not supported (only the default rotary embedding)")
+    rope = _rope_fields(hf)
     heads = hf["num_attention_heads"]
-    if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
-        raise InvalidArgument("head_dim * num_attention_heads must equal hidden_size")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if head_dim % 2:
+        raise InvalidArgument(f"head_dim {head_dim} must be even for RoPE")
     if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
         raise InvalidArgument("only SwiGLU MLPs without bias are supported")
     attention_bias = bool(hf.get("attention_bias", False))
-    if kind == "llama" and attention_bias:
-        raise InvalidArgument("Llama attention_bias (bias on o_proj too) is not supported")
+    if kind in ("llama", "qwen3") and attention_bias:
+        raise InvalidArgument(f"{kind} attention_bias (bias on o_proj too) is not supported")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+        raise InvalidArgument("sliding-window attention (use_sliding_window / layer_types) is not supported")
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
+        kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
         num_query_groups=hf.get("num_key_value_heads") or heads,
         ffn_hidden_size=hf["intermediate_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         position_embedding="rope",
-        rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        **rope,
         normalization="RMSNorm",
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         swiglu=True,
         add_bias_linear=False,
         add_qkv_bias=kind == "qwen2" or attention_bias,
+        qk_layernorm=kind == "qwen3",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
 
 def hf_config_from_model(cfg: ModelConfig, model_type: str = "llama") -> dict[str, Any]:
-    """config.json content for our model (Llama unless it has a qkv bias, then Qwen2)."""
+    """config.json content for our model: Qwen3 with q/k norms, Qwen2 with a qkv bias, else Llama."""
     if not (
         cfg.position_embedding == "rope"
         and cfg.normalization == "RMSNorm"
@@ -85,11 +138,24 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str = "llama") -> dict[st
         and not cfg.add_bias_linear
     ):
         raise InvalidArgument(
-            "only RoPE + RMSNorm + SwiGLU models without linear biases export to Llama/Qwen2"
+            "only RoPE + RMSNorm + SwiGLU models without linear biases export to Llama/Qwen2/Qwen3"
         )
-    if cfg.add_qkv_bias:
+    if cfg.qk_layernorm and cfg.add_qkv_bias:
+        raise InvalidArgument("q/k norms together with a qkv bias (and no o_proj bias) have no HF model type")
+    if cfg.qk_layernorm:
+        model_type = "qwen3"
+    elif cfg.add_qkv_bias:
         model_type = "qwen2"
-    return {
+    rope: dict[str, Any] = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
+    if cfg.rope_scaling == "llama3":
+        rope.update(
+            rope_type="llama3",
+            factor=cfg.rope_scaling_factor,
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+        )
+    out: dict[str, Any] = {
         "architectures": [_SUPPORTED[model_type]],
         "model_type": model_type,
         "vocab_size": cfg.vocab_size,
@@ -103,11 +169,14 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str = "llama") -> dict[st
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.norm_epsilon,
         "rope_theta": cfg.rotary_base,
-        "rope_parameters": {"rope_theta": cfg.rotary_base, "rope_type": "default"},
+        "rope_parameters": rope,
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "torch_dtype": "float32",
     }
+    if model_type == "qwen3":
+        out.update(use_sliding_window=False, sliding_window=None)
+    return out
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -125,6 +194,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
             out[dst + f"self_attention.linear_qkv.{suffix}"] = (
                 fused.squeeze(-1) if suffix == "bias" else fused
             )
+        if cfg.qk_layernorm:
+            out[dst + "self_attention.q_layernorm.weight"] = hf[src + "self_attn.q_norm.weight"]
+            out[dst + "self_attention.k_layernorm.weight"] = hf[src + "self_attn.k_norm.weight"]
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
         out[dst + "self_attention.linear_proj.weight"] = hf[src + "self_attn.o_proj.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
@@ -152,6 +224,9 @@ def megatron_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
             for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 flat = t.reshape(-1, t.shape[-1])
                 out[dst + f"self_attn.{name}.{suffix}"] = flat.squeeze(-1) if suffix == "bias" else flat
+        if cfg.qk_layernorm:
+            out[dst + "self_attn.q_norm.weight"] = state[src + "self_attention.q_layernorm.weight"]
+            out[dst + "self_attn.k_norm.weight"] = state[src + "self_attention.k_layernorm.weight"]
         out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
         out[dst + "self_attn.o_proj.weight"] = state[src + "self_attention.linear_proj.weight"]
         out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
@@ -234,7 +309,7 @@ def check_matches(model_cfg: ModelConfig, path: str | Path) -> None:
 def load_initial_weights(model: Any, path: str | Path) -> None:
     """Load version-0 weights into `model` in place: an HF checkpoint directory or a Gyre safetensors file.
 
-    A directory must hold an HF Llama/Qwen2 checkpoint whose architecture equals the model's
+    A directory must hold an HF Llama/Qwen2/Qwen3 checkpoint whose architecture equals the model's
     (`check_matches`); a file is a safetensors file in Gyre's (Megatron) names (`load_weights`).
     Raises InvalidArgument, never loads a partial or mismatched state.
     """

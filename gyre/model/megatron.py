@@ -73,6 +73,7 @@ def transformer_config(cfg: ModelConfig) -> Any:
         activation_func=F.silu if cfg.swiglu else F.gelu,
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_std,
