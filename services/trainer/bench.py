@@ -9,6 +9,10 @@ Printed: the median step time of each variant over --steps repeats (min and max 
 `step_speedup = flat_step_s / tree_step_s` (medians), to be read against
 `token_ratio = flat_tokens / tree_tokens` (the work the packing removes); the goal is
 step_speedup >= 0.8 x token_ratio. `loss_rel_diff` shows both compute the same loss.
+
+`loss_memory` (unless --no-loss-memory): peak memory of the sampled-token loss (log-prob + entropy
+over the output layer, forward + backward) for one large batch, full T x V logits vs chunked, each
+in its own spawned process (services/trainer/loss_memory.py; bytes, seconds, ratio = full/chunked).
 """
 
 from __future__ import annotations
@@ -109,6 +113,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.model import ModelConfig, build_model
     from services.trainer.loss import LossSettings, tree_loss
 
+    loss_memory = None
+    if not args.no_loss_memory:  # first: children spawned from a small parent, before the models
+        from services.trainer.loss_memory import measure_loss_memory
+
+        loss_memory = measure_loss_memory(
+            args.loss_tokens,
+            args.loss_vocab,
+            args.loss_hidden,
+            args.loss_chunk_tokens,
+            device="cuda" if torch.cuda.is_available() else "cpu",
+        )
     torch.set_num_threads(args.threads or torch.get_num_threads())
     cfg = ModelConfig(
         num_layers=args.layers,
@@ -147,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     flat_tokens = sum(mb.num_tokens for mb in variants[flat_name])
     token_ratio = flat_tokens / tree.num_tokens
     speedup = medians[flat_name] / medians["tree"]
-    return {
+    result = {
         "tree_tokens": tree.num_tokens,
         "flat_tokens": flat_tokens,
         "token_ratio": round(token_ratio, 4),
@@ -170,6 +185,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps_timed": args.steps,
         "torch_threads": torch.get_num_threads(),
     }
+    if loss_memory is not None:
+        result["loss_memory"] = loss_memory
+    return result
+
+
+def loss_memory_line(m: dict[str, Any]) -> str:
+    """`loss peak memory: full X GiB vs chunked Y GiB (Z x less)` from a `loss_memory` entry."""
+    gib = 1024**3
+    return (
+        f"loss peak memory: full {m['full_peak_bytes'] / gib:.3f} GiB vs chunked "
+        f"{m['chunked_peak_bytes'] / gib:.3f} GiB ({m['ratio']:.1f} x less); {m['tokens']} tokens x "
+        f"{m['vocab']} vocab, chunks of {m['chunk_tokens']}, {m['method']}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -199,7 +227,21 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--seed", type=int, default=0)
+    loss = parser.add_argument_group(
+        "loss memory",
+        "peak memory of log-prob + entropy over the output layer (forward + backward), full T x V "
+        "logits vs chunked, each in a fresh process. The issue's shape, 32K tokens x 152K vocabulary, "
+        "needs a GPU or ~40 GB of RAM for the full variant; pass --loss-tokens 32768 --loss-vocab "
+        "151936 to measure it",
+    )
+    loss.add_argument("--loss-tokens", type=int, default=8192, help="tokens in the batch")
+    loss.add_argument("--loss-vocab", type=int, default=32768, help="vocabulary size")
+    loss.add_argument("--loss-hidden", type=int, default=256, help="hidden size")
+    loss.add_argument("--loss-chunk-tokens", type=int, default=1024, help="tokens per chunk")
+    loss.add_argument("--no-loss-memory", action="store_true", help="skip the loss memory measurement")
     args = parser.parse_args(argv)
     result = run(args)
     print(json.dumps(result))
+    if not args.json and "loss_memory" in result:
+        print(loss_memory_line(result["loss_memory"]))
     return 0
