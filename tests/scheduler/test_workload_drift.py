@@ -65,3 +65,26 @@ def test_every_shipped_drifting_workload_loads_and_drifts(path: Path) -> None:
 
 def test_three_drifting_workloads_ship() -> None:
     assert len(DRIFTING) >= 3
+
+
+def test_the_drift_phases_of_a_phase_change_schedule_are_its_plateaus_after_warm_up() -> None:
+    from services.scheduler.sim.compare import drift_phases
+
+    w = load_workload_file(ROOT / "examples" / "workloads" / "drift_lengths.yaml")
+    assert [(p.start, p.stop - 1) for p in drift_phases(w)] == [(2, 3), (4, 7), (8, 11), (12, 15)]
+    stationary = load_workload_file(ROOT / "examples" / "workloads" / "small.yaml")
+    assert drift_phases(stationary) == [range(stationary.warmup_steps, stationary.num_steps)]
+
+
+def test_the_per_phase_oracle_is_never_slower_than_the_best_fixed_split_and_equals_it_without_drift() -> None:
+    from services.scheduler.sim.compare import phase_oracle_time_per_step_s, sweep_async_runs
+
+    for name, drifting in (("small.yaml", False), ("drift_turns.yaml", True)):
+        w = load_workload_file(ROOT / "examples" / "workloads" / name)
+        runs = sweep_async_runs(w)
+        best = min(r.time_per_step_s for r in runs.values())
+        oracle = phase_oracle_time_per_step_s(w, runs)
+        if drifting:
+            assert oracle <= best * (1 + 1e-12)
+        else:
+            assert oracle == pytest.approx(best, rel=1e-12)
