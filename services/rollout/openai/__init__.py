@@ -4,6 +4,7 @@ So that an existing agent harness can be trained unchanged: point its OpenAI cli
 of this server. Routes (model routes also under a per-execution prefix `/x/{execution_token}`):
 
 - `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (routes.py);
+- `POST /v1/messages`, the Anthropic Messages API on the chat path (anthropic_messages.py);
 - `POST /gyre/executions` (issue a per-execution endpoint), `POST /gyre/executions/{id}/end` or
   `POST /x/{token}/gyre/end` (an external harness reports the end of an execution) (routes.py);
 - admin, the vLLM stand-in used by `VLLMEngine`: `GET /is_sleeping`, `POST /sleep`,

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from gyre.errors import Conflict, GyreError, InvalidArgument, NotFound, PayloadTooLarge
 
+from .anthropic_messages import anthropic_error
 from .endpoint import OpenAIEndpoint
 from .routes import control_routes, model_routes
 from .schema import ApiError
@@ -21,7 +22,10 @@ _STATUS: list[tuple[type[GyreError], int]] = [
 ]  # fmt: skip
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
+def _error(request: Request, status: int, message: str, kind: str) -> JSONResponse:
+    """OpenAI's error body; Anthropic's (`{"type": "error", "error": {...}}`) on `/v1/messages`."""
+    if request.url.path.endswith("/v1/messages"):
+        return JSONResponse(anthropic_error(status, message), status_code=status)
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
@@ -35,20 +39,20 @@ def create_app(endpoint: OpenAIEndpoint) -> FastAPI:
     app.include_router(standin_routes)
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        response = _error(exc.status, str(exc), exc.kind)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        response = _error(request, exc.status, str(exc), exc.kind)
         if exc.status == 401:
             response.headers["WWW-Authenticate"] = "Bearer"
         return response
 
     @app.exception_handler(GyreError)
-    async def _gyre_error(_: Request, exc: GyreError) -> JSONResponse:
+    async def _gyre_error(request: Request, exc: GyreError) -> JSONResponse:
         status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 503)
-        return _error(status, str(exc), type(exc).__name__)
+        return _error(request, status, str(exc), type(exc).__name__)
 
     @app.exception_handler(RequestValidationError)
-    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, f"invalid request: {exc.errors()[:3]}", "InvalidArgument")
+    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(request, 400, f"invalid request: {exc.errors()[:3]}", "InvalidArgument")
 
     return app
 

@@ -1,6 +1,7 @@
 """Who may call the OpenAI-compatible endpoint, and which execution each call belongs to.
 
-Credentials (checked before a body is read): `Authorization: Bearer <key>`. The run's API key
+Credentials (checked before a body is read): `Authorization: Bearer <key>`, or `x-api-key: <key>`
+(what the Anthropic client sends; Bearer wins when both are present). The run's API key
 (`rollout.openai.api_key`) may call the model routes; the admin key (`rollout.openai.admin_key`)
 may call everything, and only it the admin routes. A per-execution key (issued by the server) may
 call the model routes of its own execution only. No or wrong key -> 401; a key without the right
@@ -104,7 +105,7 @@ class ExecutionRegistry:
 
     # -- credentials ---------------------------------------------------------------------------
     def authenticate(self, request: Request) -> Caller:
-        """The caller of `request`, from its per-execution URL token or its Bearer key; else 401."""
+        """The caller of `request`, from its per-execution URL token or its Bearer (or x-api-key) key; else 401."""
         token = request.path_params.get("exec_token")
         if token is not None:
             execution_id = self._tokens.get(token)
@@ -113,6 +114,7 @@ class ExecutionRegistry:
             return Caller("execution", f"x:{execution_id}", execution_id)
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        key = key or request.headers.get("x-api-key", "").strip()
         if key:
             if self.admin_key is not None and hmac.compare_digest(key.encode(), self.admin_key.encode()):
                 return Caller("admin", "admin")
@@ -124,7 +126,9 @@ class ExecutionRegistry:
         if self.api_key is None:
             return Caller("run", "open")
         if not key:
-            raise unauthorized("missing API key: send 'Authorization: Bearer <key>' (rollout.openai.api_key)")
+            raise unauthorized(
+                "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>' (rollout.openai.api_key)"
+            )
         raise unauthorized("invalid API key")
 
     def require_admin(self, caller: Caller) -> None:

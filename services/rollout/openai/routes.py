@@ -1,5 +1,5 @@
-"""The OpenAI routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`) and the execution
-routes (`/gyre/executions`, `/gyre/executions/{id}/end`, `/gyre/end`).
+"""The OpenAI routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`), the Anthropic
+`/v1/messages` route (on the chat path, anthropic_messages.py) and the execution routes (`/gyre/executions`, `/gyre/executions/{id}/end`, `/gyre/end`).
 
 Token ids are captured server-side: every response carries Gyre extras `prompt_token_ids`,
 `token_ids`, `token_logprobs` and `token_versions` (per choice), exactly what the engine saw and
@@ -15,6 +15,8 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from gyre.errors import InvalidArgument
 
+from ..engines.base import Completion
+from .anthropic_messages import MessagesRequest, message_events, to_chat_request, to_message
 from .auth import Caller, issue_execution_endpoint
 from .endpoint import OpenAIEndpoint
 from .responses import (
@@ -89,11 +91,14 @@ async def completions(
     return sse(completion_events(response, cs, tokenizer)) if body.stream else response
 
 
-@model_routes.post("/v1/chat/completions", response_model=None)
-async def chat_completions(
-    request: Request, endpoint: EndpointDep, caller: CallerDep
-) -> dict[str, Any] | Response:
-    body = await endpoint.parse(request, ChatRequest)
+async def chat_call(
+    request: Request, endpoint: OpenAIEndpoint, caller: Caller, body: ChatRequest
+) -> tuple[dict[str, Any], list[tuple[Completion, str | None]], list[int]]:
+    """One chat request through the endpoint (each sample a step): (response, samples, prompt ids).
+
+    Shared by `/v1/chat/completions` and `/v1/messages` (anthropic_messages.py translates to and
+    from it), so both render, generate, parse tool calls and store steps the same way.
+    """
     refuse_unsupported(body)
     tokenizer = endpoint.tokenizer
     tools = tool_specs(body)
@@ -123,9 +128,31 @@ async def chat_completions(
         prompt,
         cs,
     )
+    return response, samples, prompt
+
+
+@model_routes.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    request: Request, endpoint: EndpointDep, caller: CallerDep
+) -> dict[str, Any] | Response:
+    body = await endpoint.parse(request, ChatRequest)
+    response, samples, prompt = await chat_call(request, endpoint, caller, body)
+    cs = [c for c, _ in samples]
     if body.stream:
-        return sse(chat_events(response, cs, tokenizer))
+        return sse(chat_events(response, cs, endpoint.tokenizer))
     return {**response, **extras(prompt, cs[0])}  # the first sample's extras at top level, as before
+
+
+@model_routes.post("/v1/messages", response_model=None)
+async def messages(request: Request, endpoint: EndpointDep, caller: CallerDep) -> dict[str, Any] | Response:
+    """The Anthropic Messages API on the same chat path (see anthropic_messages.py)."""
+    body = await endpoint.parse(request, MessagesRequest)
+    chat = to_chat_request(body)
+    response, samples, prompt = await chat_call(request, endpoint, caller, chat)
+    message = to_message(response, samples[0], prompt, endpoint.tokenizer, chat.stop_strings())
+    if body.stream:
+        return sse(message_events(message, samples[0][0], endpoint.tokenizer))
+    return message
 
 
 @model_routes.post("/gyre/end")
