@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import nats.errors
+import nats.js.errors
 from google.protobuf.message import DecodeError, Message
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -145,7 +146,14 @@ class Consumer(Generic[M]):
             msgs = await self._sub.fetch(self._batch_size, timeout=1.0)
         except (TimeoutError, nats.errors.TimeoutError):
             return [], None
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+        except (
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.NoRespondersError,
+            # 503 while a JetStream cluster elects a new leader for the stream or consumer (the server
+            # that led it died): transient, the consumer's state lives on the other replicas.
+            nats.js.errors.ServiceUnavailableError,
+        ) as exc:
             if self._stopping.is_set():
                 return [], None
             log.warning("consumer %s: fetch failed (%s); retrying in 1 s", self.durable, exc)

@@ -87,15 +87,18 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, *, name: str, connect_wait_s: float = 10.0) -> Bus:
         """Connect to NATS at `url`, retrying for about `connect_wait_s` seconds (Unavailable after);
-        once connected, reconnect forever after a disconnection.
+        once connected, reconnect forever after a disconnection. `url` may list several servers of
+        one cluster, comma-separated (``nats://a:4222,nats://b:4222``): the client connects to one
+        and fails over to the others.
 
         Credentials go in the URL (``nats://user:password@host:4222``, see gyre.bus.auth); with a user,
         the connection's reply inbox is ``_INBOX_<user>``, the only inbox that user may subscribe to.
         A refused login raises Unavailable at once (no retries); the password is never logged."""
         connected = False
         reconnect_wait_s = 0.5
-        shown = auth.redact(url)
-        user = auth.user_of(url)
+        urls = [u.strip() for u in url.split(",") if u.strip()]
+        shown = ",".join(auth.redact(u) for u in urls)
+        user = auth.user_of(urls[0]) if urls else None
         refused: list[BaseException] = []
         denied: list[str] = []
 
@@ -129,7 +132,7 @@ class Bus:
             timing["inbox_prefix"] = auth.inbox_prefix(user)
         try:
             await nc.connect(
-                url,
+                urls if len(urls) > 1 else url,
                 name=f"gyre-{name}",
                 max_reconnect_attempts=max(1, int(connect_wait_s / reconnect_wait_s)),
                 allow_reconnect=True,
@@ -160,12 +163,20 @@ class Bus:
         """Largest message (payload + headers) the server accepts, in bytes."""
         return int(self.nc.max_payload)
 
-    async def ensure_streams(self) -> None:
+    async def ensure_streams(self, *, replicas: int | None = None) -> None:
         """Make every stream of gyre.bus.subjects.STREAMS exist with its declared config.
+
+        `replicas`: on how many servers of a JetStream cluster each stream is stored (3 in
+        production: a stream then survives the loss of one server without losing an acked
+        message); a stream with another count is scaled to it. None (the default, what every
+        service calls) creates a missing stream with 1 and keeps the count of an existing one, so
+        a service never scales down streams an operator declared with 3.
 
         A stream that already has that config is left alone, so a service whose NATS user may only
         read stream info (gyre.bus.auth: only ``admin`` manages streams) passes once the launcher
         declared them; a missing or different stream is created or updated, which needs that right."""
+        if replicas is not None and replicas < 1:
+            raise InvalidArgument(f"replicas must be >= 1, got {replicas}")
         for spec in subjects.STREAMS:
             config = api.StreamConfig(
                 name=spec.name,
@@ -177,6 +188,7 @@ class Bus:
                 max_bytes=spec.max_bytes,
                 duplicate_window=subjects.DUPLICATE_WINDOW_S,
                 discard=api.DiscardPolicy.OLD,
+                num_replicas=replicas,
             )
             try:
                 info = await self.js.stream_info(spec.name)
@@ -187,6 +199,8 @@ class Bus:
                     f"no answer to stream info of {spec.name} ({exc!r}); does this NATS user have the "
                     "JetStream API rights of gyre.bus.auth?"
                 ) from exc
+            if info is not None and replicas is None:
+                config.num_replicas = info.config.num_replicas  # keep it, also through an update
             if info is not None and same_stream_config(info.config, config):
                 continue
             try:

