@@ -46,6 +46,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "executions across devices reassigned under load, live migration",
     ),
     "bench trainer": ("services.trainer.bench", "tree-packed vs flat training step"),
+    "plan trainer": (
+        "app.cli.plan_trainer",
+        "memory plan of a trainer replica: params, optimizer, activations, loss",
+    ),
     "bench elastic": (
         "app.cli.bench_elastic",
         "colocate, async and elastic on paced devices, each next to the simulator's prediction",
