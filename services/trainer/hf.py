@@ -106,13 +106,22 @@ def write_tiny_qwen2(out: str | Path, seed: int = 0) -> Path:
     theirs); 2 layers, hidden 64, 1024 positions. `AutoTokenizer` and `AutoModelForCausalLM` load
     the directory offline.
     """
+    return _write_tiny(out, seed, "Qwen2")
+
+
+def _write_tiny(
+    out: str | Path, seed: int, family: str, *, norms_away: bool = False, **extra: object
+) -> Path:
+    """The project's BPE tokenizer and a seeded tiny `<family>ForCausalLM` in `out`: embedding rows
+    the tokenizer's size rounded up to 64, 2 layers, hidden 64, 4 heads (2 KV), 1024 positions,
+    plus `extra` config fields; `norms_away`: norm weights drawn in [0.5, 1.5]."""
     import transformers
 
     from gyre.tokenizers.bpe import write_generation_config, write_tiny_tokenizer
 
     num_ids = write_tiny_tokenizer(out)
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=-(-num_ids // 64) * 64,
         hidden_size=64,
         intermediate_size=128,
@@ -122,8 +131,12 @@ def write_tiny_qwen2(out: str | Path, seed: int = 0) -> Path:
         max_position_embeddings=1024,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
+        **extra,
     )
-    transformers.Qwen2ForCausalLM(config).save_pretrained(out)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    if norms_away:
+        _norms_away_from_one(model)
+    model.save_pretrained(out)
     write_generation_config(out)  # the model's save replaced it
     return Path(out)
 
@@ -142,29 +155,7 @@ def write_tiny_qwen3(out: str | Path, seed: int = 0) -> Path:
     real Qwen3 checkpoints) and norms drawn away from 1. Loads offline with `AutoTokenizer` and
     `AutoModelForCausalLM`.
     """
-    import transformers
-
-    from gyre.tokenizers.bpe import write_generation_config, write_tiny_tokenizer
-
-    num_ids = write_tiny_tokenizer(out)
-    torch.manual_seed(seed)
-    config = transformers.Qwen3Config(
-        vocab_size=-(-num_ids // 64) * 64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    )
-    model = transformers.Qwen3ForCausalLM(config)
-    _norms_away_from_one(model)
-    model.save_pretrained(out)
-    write_generation_config(out)  # the model's save replaced it
-    return Path(out)
+    return _write_tiny(out, seed, "Qwen3", norms_away=True, head_dim=32)
 
 
 def write_tiny_llama31_rope(out: str | Path, seed: int = 0) -> Path:
@@ -174,36 +165,15 @@ def write_tiny_llama31_rope(out: str | Path, seed: int = 0) -> Path:
     factor 8): its 8 rotary frequencies fall in all three bands (kept, interpolated, scaled), and
     the 1024 positions reach far beyond the original context.
     """
-    import transformers
-
-    from gyre.tokenizers.bpe import write_generation_config, write_tiny_tokenizer
-
-    num_ids = write_tiny_tokenizer(out)
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=-(-num_ids // 64) * 64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    )
-    model = transformers.LlamaForCausalLM(config)
-    _norms_away_from_one(model)
-    model.save_pretrained(out)
-    write_generation_config(out)
-    return Path(out)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return _write_tiny(out, seed, "Llama", norms_away=True, rope_parameters=rope)
 
 
 def main(argv: list[str] | None = None) -> int:
