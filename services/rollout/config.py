@@ -190,6 +190,9 @@ class RolloutConfig(ConfigModel):
     workspace_tasks: Path = Field(
         Path("examples/tasks/workspace.jsonl"), description="JSONL tasks of the workspace environment."
     )
+    longhorizon_min_turns: int = Field(
+        3, ge=1, description="Floor of the long-horizon task length (turns; horizons are Pareto from here)."
+    )
     longhorizon_max_turns: int = Field(200, ge=1, description="Cap on the long-horizon task length (turns).")
     longhorizon_num_actions: int = Field(
         4, ge=2, description="Actions of the long-horizon family (random policy succeeds 1/n)."
@@ -290,6 +293,11 @@ class RolloutConfig(ConfigModel):
         if self.engine == "vllm" and len(self.vllm_urls) != self.num_devices:
             raise ValueError(
                 f"engine 'vllm' needs one vllm_urls entry per device ({self.num_devices}), got {len(self.vllm_urls)}"
+            )
+        if self.longhorizon_min_turns > self.longhorizon_max_turns:
+            raise ValueError(
+                f"longhorizon_min_turns ({self.longhorizon_min_turns}) exceeds longhorizon_max_turns "
+                f"({self.longhorizon_max_turns})"
             )
         harness = self.harness
         if harness.kind == "external":

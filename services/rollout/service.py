@@ -64,7 +64,10 @@ def make_family(cfg: RolloutConfig, seed: int, pacer: Pacer | None = None) -> Ta
 
     return LongHorizonFamily(
         LongHorizonSpec(
-            num_actions=cfg.longhorizon_num_actions, max_turns=cfg.longhorizon_max_turns, seed=seed
+            num_actions=cfg.longhorizon_num_actions,
+            min_turns=cfg.longhorizon_min_turns,
+            max_turns=cfg.longhorizon_max_turns,
+            seed=seed,
         )
     )
 

@@ -2,9 +2,10 @@
 continues on its run directory to its target step, training no batch twice, with one report.
 
 Real everything: `gyre run` on the quickstart (every service its own process, embedded NATS and
-Postgres on the run_dir's data), with longer horizons (48 turns instead of 8) so that executions
-last seconds; the kill waits for a published step and a burst of executions running in the event
-log. The kill is the outermost edge: SIGKILL to the launcher, every process under it, and the
+Postgres on the run_dir's data), with long horizons (40 to 48 turns instead of 3 to 8) so that every
+execution lasts seconds, far longer than the event log lags the bus (with the quickstart's Pareto
+horizons most executions last ~0.3 s and a kill could find none of those the log showed live);
+the kill waits for a published step and a burst of executions running in the event log. The kill is the outermost edge: SIGKILL to the launcher, every process under it, and the
 embedded servers found by their data directory in the run_dir.
 """
 
@@ -32,6 +33,7 @@ STEPS = 6
 
 def _long_horizon_config(tmp_path: Path) -> Path:
     raw = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    raw["rollout"]["longhorizon_min_turns"] = 40
     raw["rollout"]["longhorizon_max_turns"] = 48
     path = tmp_path / "quickstart_long.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -57,6 +59,13 @@ def _live_executions(run_dir: Path) -> int:
             else:
                 live.discard(eid)
     return len(live)
+
+
+def _resume_lines(run_dir: Path) -> str:
+    """What the rollout logged about its predecessor's executions (for a failing assertion)."""
+    logs = sorted((run_dir / "logs").glob("rollout*.log"))
+    lines = [ln for p in logs for ln in p.read_text(errors="replace").splitlines()]
+    return "\n".join(ln for ln in lines if "previous rollout" in ln or "could not read" in ln) or "(none)"
 
 
 def _versions(run_dir: Path) -> list[int]:
@@ -109,6 +118,7 @@ def test_a_job_killed_whole_midway_resumes_to_its_target_step_training_no_batch_
             time.sleep(0.2)
         assert first.poll() is None, "the first run ended before it could be killed"
         killed_at = max(_versions(run_dir))
+        live_at_kill = _live_executions(run_dir)
         assert killed_at < STEPS
         assert _kill_everything(first, run_dir) >= 6  # launcher, NATS, Postgres, 4 services at least
     finally:
@@ -135,7 +145,9 @@ def test_a_job_killed_whole_midway_resumes_to_its_target_step_training_no_batch_
     starts = json.loads((run_dir / "service_starts.json").read_text())
     assert starts["rollout"] >= 2 and starts["trainer"] >= 2
     executions = [r["event"] for r in records if r["type"] == "ExecutionEvent"]
-    assert any(e.get("kind") == "KIND_RESUMED" for e in executions)  # live executions went on
+    assert any(e.get("kind") == "KIND_RESUMED" for e in executions), (  # live executions went on
+        f"{live_at_kill} live in the log at the kill; rollout said: {_resume_lines(run_dir)}"
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] is True
     assert len(json.loads((run_dir / "job_segments.json").read_text())) == 1  # the killed one wrote none
