@@ -85,6 +85,16 @@ class TrainerConfig(ConfigModel):
         ge=0,
         description="Tokens generated more than this many versions ago are not packed (trajectory drops them).",
     )
+    keep_weight_versions: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Published weight versions kept in run_dir/weights (the newest ones; older files are "
+            "deleted after each publish, services/trainer/weights_store.py): None = max_staleness + 2 "
+            "(every version the staleness bound can still use, plus the one a rollout may be loading); "
+            "0 = keep every version; otherwise at least max_staleness + 1."
+        ),
+    )
     checkpoint_every: int = Field(
         default=10, ge=1, description="Checkpoint every N optimizer steps (and on SaveCheckpoint)."
     )
@@ -149,3 +159,20 @@ class TrainerConfig(ConfigModel):
         if problem:
             raise ValueError(problem)
         return self
+
+    @model_validator(mode="after")
+    def _kept_weight_versions_cover_the_staleness_bound(self) -> TrainerConfig:
+        if self.keep_weight_versions and self.keep_weight_versions < self.max_staleness + 1:
+            raise ValueError(
+                f"trainer.keep_weight_versions {self.keep_weight_versions} would delete weight versions "
+                f"the staleness bound can still use: keep at least max_staleness + 1 = "
+                f"{self.max_staleness + 1}, or unset it (max_staleness + 2), or 0 to keep every version"
+            )
+        return self
+
+    @property
+    def weight_versions_kept(self) -> int | None:
+        """How many newest weight versions stay on disk after a publish; None = all of them."""
+        if self.keep_weight_versions is None:
+            return self.max_staleness + 2
+        return self.keep_weight_versions or None

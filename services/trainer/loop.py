@@ -6,7 +6,8 @@
                streaming: start pulling the next part (budget left, strict) -> journal it when it comes
                for each micro-batch of the part (whole trees, <= micro_batch_tokens):
                    [boundary] -> shard over the ranks -> backward (gradients accumulate) -> all-reduce
-           clip + optimizer step on every rank -> publish weight version -> every N steps: checkpoint
+           clip + optimizer step on every rank -> publish weight version (prune old ones) -> every N
+           steps: checkpoint
     [boundary] = the data-parallel group follows the devices held (services.trainer.dp_group):
                  ranks leave or join here, and with no device held the loop waits here.
 
@@ -60,6 +61,7 @@ from services.trainer.step import (
     shard_loss_settings,
     step_batch,
 )
+from services.trainer.weights_store import prune_versions, version_path
 
 WeightsSink = Callable[[common_pb2.WeightVersion, dict[str, float]], Awaitable[None]]
 
@@ -349,9 +351,12 @@ class Trainer:
         return self.micro_left * self.micro_device_s if self.step_in_progress else 0.0
 
     async def publish_weights(self, metrics: dict[str, float]) -> None:
-        """Write version v (safetensors + sha256) to run_dir/weights and announce it (rank 0 only)."""
+        """Write version v (safetensors + sha256) to run_dir/weights and announce it (rank 0 only),
+        then prune the store: at most `trainer.weight_versions_kept` versions on disk after each
+        publish; a version the staleness bound can still ask for is never deleted (weights_store.py)."""
         self.state.version = self.journal.last_published_version + 1
-        path = (self.run_dir / "weights" / f"v{self.state.version:06d}.safetensors").resolve()
+        weights_dir = self.run_dir / "weights"
+        path = version_path(weights_dir, self.state.version).resolve()
         digest = save_weights(self.model, path)
         self.latest_weights = common_pb2.WeightVersion(
             version=self.state.version,
@@ -364,6 +369,8 @@ class Trainer:
         await self.publish_sink(self.latest_weights, metrics)
         self.journal.last_published_version = self.state.version
         self.store.write_journal(self.journal)
+        keep = self.cfg.weight_versions_kept
+        await asyncio.to_thread(prune_versions, weights_dir, self.state.version, keep)
 
     def save_checkpoint(self) -> Path | None:
         return self.store.save(self.model, self.optimizer, self.state)
