@@ -4,7 +4,7 @@
 
 Targets (each gets N examples, default 10,000):
 
-- `http.chat`, `http.completions`, `http.executions`, `http.end`, `http.admin`: requests to the
+- `http.chat`, `http.completions`, `http.executions`, `http.end`: requests to the
   rollout's OpenAI-compatible endpoint over a real socket (uvicorn on port 0, one keep-alive
   connection), served by a real torch engine (a tiny model, so valid calls are cheap) whose steps
   go to a real nats-server (embedded, on a free port). Bodies mix arbitrary JSON, wrongly typed
@@ -150,7 +150,6 @@ COMPLETION = st.fixed_dictionaries(
 )  # fmt: skip
 END = st.fixed_dictionaries({}, optional={"kind": st.sampled_from(["finished", "truncated", "failed"]) | ODD, "reward": st.floats(-2, 2) | ODD, "error": st.text(max_size=20) | ODD})  # fmt: skip
 ISSUE = st.fixed_dictionaries({}, optional={"task_id": st.sampled_from(["t-fz", "t/bad"]) | ODD, "group_id": ODD, "execution_id": ODD})  # fmt: skip
-RPC = st.fixed_dictionaries({"method": st.just("reload_weights") | ODD, "kwargs": st.fixed_dictionaries({"version": st.integers(-1, 10**12) | ODD, "uri": st.sampled_from(["file:///etc/passwd", "file:///nope"]) | ODD, "sha256": st.text(max_size=64) | ODD}) | ODD})  # fmt: skip
 GOOD_KEY = st.one_of(
     st.just(f"Bearer {API_KEY}"), st.just(f"Bearer {API_KEY}"), st.just(f"Bearer {ADMIN_KEY}")
 )
@@ -197,7 +196,6 @@ class HttpStack:
         from services.rollout.openai import OpenAIEndpoint, create_app, serve
         from services.rollout.router import Router
         from services.rollout.steps import BusStepSink
-        from services.rollout.weights import WeightSwapper
 
         self.bus = await Bus.connect(nats_url, name="gyre-fuzz")
         await self.bus.ensure_streams()
@@ -214,7 +212,6 @@ class HttpStack:
         self.endpoint = OpenAIEndpoint(
             self.router, self.sink, run_id=RUN_ID, api_key=API_KEY, admin_key=ADMIN_KEY, max_prompt_tokens=128
         )
-        self.endpoint.weights_loader = WeightSwapper(self.router, store=self.work / "weights").apply
         self.server, port = await serve(create_app(self.endpoint), "127.0.0.1", 0)
         return f"http://127.0.0.1:{port}"
 
@@ -282,14 +279,12 @@ def fuzz_http(n: int, work: Path, reports: dict[str, TargetReport]) -> tuple[int
                 ("http.completions", "POST", st.tuples(body_of(COMPLETION), HEADERS, st.none()), lambda _: "/v1/completions"),
                 ("http.executions", "POST", st.tuples(body_of(ISSUE), HEADERS, st.none()), lambda _: "/gyre/executions"),
                 ("http.end", "POST", st.tuples(body_of(END), HEADERS, ids), lambda e: f"/gyre/executions/{e}/end"),
-                ("http.admin", "POST", st.tuples(body_of(RPC), HEADERS, st.sampled_from(["/collective_rpc", "/sleep", "/wake_up"])), lambda p: str(p)),
             ]  # fmt: skip
             for name, method, strategy, path in targets:
                 if name in reports:
                     run_target(
                         reports[name], strategy, http_check(client, reports[name], method, path, ok), n
                     )
-                    stack.endpoint.sleeping = False  # an admin /sleep must not starve the next target
         return ok[0] - stack.steps_on_nats(), stack.steps_dead_lettered()
     finally:
         stack.stop()
@@ -437,7 +432,7 @@ def fuzz_weights(n: int, work: Path, report: TargetReport) -> int:
     return bad[0]
 
 
-HTTP_TARGETS = ["http.chat", "http.completions", "http.executions", "http.end", "http.admin"]
+HTTP_TARGETS = ["http.chat", "http.completions", "http.executions", "http.end"]
 
 
 def all_targets() -> list[str]:

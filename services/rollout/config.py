@@ -94,7 +94,7 @@ class OpenAIConfig(ConfigModel):
         None,
         min_length=16,
         description=(
-            "Admin credential of the endpoint: needed for /sleep, /wake_up, /is_sleeping and /collective_rpc "
+            "Admin credential of the endpoint: may act on any execution, not only its own "
             "(env GYRE_ROLLOUT__OPENAI__ADMIN_KEY). Unset: generated like the API key, file openai_admin_key."
         ),
     )
@@ -109,6 +109,62 @@ class OpenAIConfig(ConfigModel):
         3600.0,
         gt=0,
         description="Seconds without a call after which an endpoint execution is ended as TRUNCATED.",
+    )
+
+
+class VLLMConfig(ConfigModel):
+    """How the rollout runs vLLM (engine 'vllm'): one `vllm serve` per device (a device is one GPU, or
+    one tensor-parallel group of `tensor_parallel_size` GPUs), started and supervised by the rollout
+    service, or external servers given by URL."""
+
+    urls: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Base URLs of external `vllm serve` processes, one per device in device order. Empty: the "
+            "rollout starts them itself (the usual way)."
+        ),
+    )
+    model: Path | None = Field(
+        None,
+        description="HF checkpoint directory vLLM serves (version 0). Unset: rollout.init_weights.",
+    )
+    command: list[str] = Field(
+        default_factory=lambda: ["vllm", "serve"],
+        description="The argv that starts a server, before the model path and Gyre's flags.",
+    )
+    host: str = Field(
+        "127.0.0.1",
+        description=(
+            "Address the started servers bind to. vLLM's dev routes (weights, sleep) take no API key: "
+            "keep it on loopback."
+        ),
+    )
+    port: int = Field(
+        0, ge=0, le=65535, description="Port of the first server, +1 per device (0: free ports)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per server (vLLM --tensor-parallel-size).")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="Share of each GPU's memory vLLM may take (--gpu-memory-utilization)."
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        description="Context length of the servers. Unset: rollout.model.max_position_embeddings.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="More `vllm serve` flags, appended as given (e.g. --enforce-eager)."
+    )
+    sleep_level: Literal[1, 2] = Field(
+        2,
+        description=(
+            "Sleep level of a server whose device is lent to training: 2 frees weights and KV cache (the "
+            "weights are reloaded on return), 1 keeps the weights in host memory."
+        ),
+    )
+    start_timeout_s: float = Field(900.0, gt=0, description="Seconds a server may take to answer /health.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Seconds one generation request may take.")
+    max_restarts: int = Field(
+        3, ge=0, description="Times a crashed server is restarted (with backoff) before the rollout fails."
     )
 
 
@@ -136,9 +192,9 @@ class RolloutConfig(ConfigModel):
     engine: Literal["torch", "vllm"] = Field(
         "torch", description="Engine kind: in-process torch engine or external vLLM."
     )
-    vllm_urls: list[str] = Field(
-        default_factory=list,
-        description="Base URL of the `vllm serve` of each device, in device order (engine: vllm).",
+    vllm: VLLMConfig = Field(
+        default_factory=lambda: VLLMConfig.model_validate({}),
+        description="The vLLM servers of engine 'vllm': started by the rollout (default) or external.",
     )
     engine_max_batch: int = Field(
         32, ge=1, description="Sequences one torch engine decodes at once (continuous batching)."
@@ -279,6 +335,8 @@ class RolloutConfig(ConfigModel):
             raise ValueError(
                 "the harness settings moved into the rollout.harness section: " + "; ".join(moved)
             )
+        if "vllm_urls" in data:
+            raise ValueError("rollout.vllm_urls is now rollout.vllm.urls")
         moved = [
             f"rollout.{old} is now rollout.{new}" for old, new in _MOVED_OPENAI_KEYS.items() if old in data
         ]
@@ -290,10 +348,16 @@ class RolloutConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
-        if self.engine == "vllm" and len(self.vllm_urls) != self.num_devices:
-            raise ValueError(
-                f"engine 'vllm' needs one vllm_urls entry per device ({self.num_devices}), got {len(self.vllm_urls)}"
-            )
+        if self.engine == "vllm":
+            if self.vllm.urls and len(self.vllm.urls) != self.num_devices:
+                raise ValueError(
+                    f"rollout.vllm.urls needs one URL per device ({self.num_devices}), got {len(self.vllm.urls)}"
+                )
+            if not self.vllm.urls and self.vllm.model is None and self.init_weights is None:
+                raise ValueError(
+                    "engine 'vllm' needs the model to serve: set rollout.vllm.model (an HF checkpoint "
+                    "directory) or rollout.init_weights"
+                )
         if self.longhorizon_min_turns > self.longhorizon_max_turns:
             raise ValueError(
                 f"longhorizon_min_turns ({self.longhorizon_min_turns}) exceeds longhorizon_max_turns "

@@ -17,9 +17,11 @@ up to `engine_max_restarts` times.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gyre import rpc
 from gyre.bus import subjects
@@ -38,6 +40,9 @@ from .environments.base import TaskFamily
 from .executions import ExecutionManager
 from .leases import EngineDevices
 from .resume import ResumePlan
+
+if TYPE_CHECKING:
+    from .engines.vllm_server import VLLMServers
 from .router import Router
 from .steps import BusStepSink
 from .weights import WeightSwapper
@@ -145,6 +150,7 @@ class RolloutService(Service):
             common.devices.pacing, busy_log_path=common.run_dir / "pacing" / f"{cfg.worker_id}.jsonl"
         )
         self.http: Any = None
+        self.vllm_servers: VLLMServers | None = None  # engine 'vllm' without urls: the servers we run
         self.http_port = 0
         # version 0 must be the trainer's version 0: the trainer seeds it with the run's seed
         self.init_seed = common.seed if cfg.init_seed is None else cfg.init_seed
@@ -164,7 +170,19 @@ class RolloutService(Service):
         if self.cfg.engine == "vllm":
             from .engines.vllm_engine import VLLMEngine
 
-            return VLLMEngine(engine_id, device_id, self.cfg.vllm_urls[index])
+            v = self.cfg.vllm
+            started = self.vllm_servers is not None
+            return VLLMEngine(
+                engine_id,
+                device_id,
+                self.vllm_servers.spec(device_id).url if self.vllm_servers is not None else v.urls[index],
+                api_key=self.vllm_servers.spec(device_id).api_key if started else None,  # type: ignore[union-attr]
+                timeout_s=v.request_timeout_s,
+                start_timeout_s=v.start_timeout_s,
+                sleep_level=v.sleep_level,
+                initial_weights=self.swapper.latest,
+                on_failure=self.restarter.on_failure if self.restarter is not None else None,  # type: ignore[arg-type]
+            )
         from .engines.torch_engine import TorchEngine
 
         return TorchEngine(
@@ -218,6 +236,8 @@ class RolloutService(Service):
         )  # fmt: skip
         self.sink = BusStepSink(rt.bus, max_buffer=cfg.step_buffer, vocab_size=cfg.model.vocab_size)
         rt.spawn(self.sink.run(), "step-publisher")
+        if cfg.engine == "vllm" and not cfg.vllm.urls:
+            await self._start_vllm_servers(rt)
         from gyre.tokenizers import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer)
@@ -274,7 +294,6 @@ class RolloutService(Service):
                 admin_key=admin_key, max_prompt_tokens=cfg.model.max_position_embeddings,
                 max_request_bytes=cfg.openai.max_request_bytes, execution_idle_s=cfg.openai.execution_idle_s,
             )  # fmt: skip
-            endpoint.weights_loader = self.swapper.apply
             self.http, self.http_port = await serve(create_app(endpoint), cfg.openai.host, cfg.openai.port)
             if cfg.harness.kind == "external":  # executions run the user's agent against this endpoint
                 from .harness import build_external_harness
@@ -294,6 +313,32 @@ class RolloutService(Service):
         if cfg.num_tasks:
             self.executions.start(cfg.num_tasks, cfg.group_size, skip_resumed=True)
         self.state = common_pb2.SERVICE_STATE_SERVING
+
+    async def _start_vllm_servers(self, rt: Runtime) -> None:
+        """One supervised `vllm serve` per device (services/rollout/engines/vllm_server.py)."""
+        from .engines.vllm_server import VLLMServers
+
+        cfg, v = self.cfg, self.cfg.vllm
+        model = v.model if v.model is not None else cfg.init_weights
+        assert model is not None  # RolloutConfig refuses engine 'vllm' without one
+        self.vllm_servers = VLLMServers.for_devices(
+            cfg.device_ids(),
+            model=Path(model),
+            weights_store=cfg.weights_store or self.common.run_dir / "weights",
+            log_dir=self.common.run_dir / "logs",
+            tensor_parallel_size=v.tensor_parallel_size,
+            host=v.host,
+            port=v.port,
+            command=tuple(v.command),
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            max_model_len=v.max_model_len or cfg.model.max_position_embeddings,
+            seed=self.common.seed,
+            extra_args=tuple(v.extra_args),
+            start_timeout_s=v.start_timeout_s,
+            max_restarts=v.max_restarts,
+        )
+        await self.vllm_servers.start()
+        rt.spawn(self.vllm_servers.watch(), "vllm-servers")
 
     async def _resume_predecessors(self, rt: Runtime) -> None:
         """Resume (or end, with the reason) every execution the previous process of this worker left
@@ -397,6 +442,8 @@ class RolloutService(Service):
             self.http.should_exit = True
             await self.http.gyre_task
         await self.sink.flush()
+        if self.vllm_servers is not None:
+            await asyncio.to_thread(self.vllm_servers.stop)
         self.state = common_pb2.SERVICE_STATE_STOPPED
         log.info("rollout stopped at %.0f", time.time())
 

@@ -1,27 +1,43 @@
-"""vLLM engine: drives an external `vllm serve` through its OpenAI-compatible HTTP API (httpx).
+"""vLLM engine: drives one `vllm serve` (vLLM 0.34, the `gpu` extra) over its HTTP API.
 
-vLLM stays an external server (and an optional extra); this client speaks:
+What it sends (the shapes tests/fakes/fake_vllm.py enforces):
 
-- `POST /v1/completions` with `prompt` = a list of token ids, `return_token_ids: true`,
-  `logprobs: 1`, `seed`, `stop_token_ids`, `skip_special_tokens: false`; reads `token_ids` and
-  `logprobs.token_logprobs` of the choice (no re-tokenisation);
-- `POST /sleep?level=1`, `POST /wake_up`, `GET /is_sleeping` (vLLM's dev-mode routes);
-- `POST /collective_rpc` with `{"method": "reload_weights", "kwargs": {version, uri, sha256}}`.
+- generation: `POST /v1/completions` with `prompt` = token ids, `stream: true`, `return_token_ids:
+  true`, `logprobs: 0` (the sampled token's log-prob only), `seed`, `stop_token_ids`,
+  `skip_special_tokens: false`, `include_stop_str_in_output: true`, `request_id`, and the API key
+  as `Authorization: Bearer`. Each SSE chunk carries the new `token_ids` and
+  `logprobs.token_logprobs`; nothing is re-tokenised.
+- weights: `POST /pause?mode=wait` (in-flight requests finish, new ones wait), `POST
+  /collective_rpc` `{"method": "gyre_load_weights", "kwargs": {"version", "uri", "sha256"}}` (string
+  values, as vLLM passes them to the worker extension, services/rollout/engines/vllm_worker.py),
+  `POST /resume`;
+- lending: `POST /sleep?level=N` when the engine closes (its device goes to training), `POST
+  /wake_up?tags=weights`, the weights, `POST /wake_up?tags=kv_cache` when a new engine starts on it;
+- migration: `POST /abort_requests` `{"request_ids": [...]}` when drained.
 
-It was tested only against Gyre's own OpenAI-compatible endpoint (services/rollout/openai/),
-never against a real vLLM; docs/rollout.md lists what that leaves unverified. Differences from the
-torch engine, by design of a remote server:
+Guarantees:
 
-- `drain` aborts in-flight HTTP requests; they return "cut" with no tokens and the router
-  re-runs them from their prompt elsewhere (tokens so far are not kept). With greedy decoding the
-  result is the same; with sampling it is a fresh sample (vLLM's seed has no token offset).
-- Weight reload happens between requests: `load_weights` stops admitting, waits for the requests
-  in flight, reloads, then resumes; every token of a request carries the version it started with.
+- Tokens are streamed, so every token vLLM has sent is kept: a drained (or failed) request returns
+  "cut" with the tokens, log-probs and versions received so far, and the router resumes it on another
+  engine from prompt + those tokens (a prefill, not a re-generation). With greedy decoding the
+  execution's tokens equal an unmoved run's; with sampling the continuation starts from the same
+  prefix (vLLM's seed has no token offset, so later draws differ from an unmoved run's).
+- A weight swap happens between requests: admission stops, in-flight requests finish, the engine
+  pauses, loads, resumes; every token of a request carries the version it started with.
+- `close()` drains, then puts the server to sleep, and returns once vLLM has freed the memory: the
+  device is released to training only after that.
+- A server that stops answering mid-request makes the engine fail (state STOPPED, `on_failure`
+  called once): its requests resume elsewhere and the rollout's engine restarter starts a new
+  engine once the supervisor has the server healthy again (services/rollout/engines/vllm_server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -29,7 +45,10 @@ import httpx
 from gyre.errors import InvalidArgument, Unavailable
 from gyre.v1 import common_pb2
 
-from .base import Completion, Engine, EngineState, GenerationRequest
+from .base import Completion, Engine, EngineFailed, EngineState, GenerationRequest
+from .vllm_server import SERVED_MODEL_NAME, wait_healthy
+
+log = logging.getLogger(__name__)
 
 
 class VLLMEngine(Engine):
@@ -39,24 +58,34 @@ class VLLMEngine(Engine):
         device_id: str,
         base_url: str,
         *,
-        model: str = "gyre",
-        timeout_s: float = 600.0,
         api_key: str | None = None,
+        model: str = SERVED_MODEL_NAME,
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 900.0,
+        sleep_level: int = 2,
+        initial_weights: common_pb2.WeightVersion | None = None,
+        on_failure: Callable[[VLLMEngine, BaseException], None] | None = None,
     ) -> None:
-        # api_key: sent as `Authorization: Bearer` (vLLM's --api-key; Gyre's endpoint needs its admin key).
-        self.api_key = api_key
         self.engine_id, self.device_id, self.model = engine_id, device_id, model
         self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
+        self.api_key = api_key
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.sleep_level = sleep_level
+        self.initial_weights = initial_weights
+        self.on_failure = on_failure
         self._client: httpx.AsyncClient | None = None
         self._state = EngineState.SERVING
         self._version = 0
-        self._inflight: set[asyncio.Task[Completion]] = set()
+        self._inflight: dict[str, asyncio.Task[Completion]] = {}  # vLLM request id -> its task
+        self._partial: dict[str, Completion] = {}  # vLLM request id -> what it streamed so far
         self._admit = asyncio.Event()
         self._admit.set()
         self._tokens = 0
-        self._prompt_tokens = 0  # prompt tokens of the requests in flight
+        self._context = 0  # prompt + streamed tokens of the requests in flight
+        self._seq = 0
+        self._failed = False
 
+    # -- read by the router and the load reports ------------------------------------------------
     @property
     def state(self) -> EngineState:
         return self._state
@@ -69,43 +98,108 @@ class VLLMEngine(Engine):
     def num_active(self) -> int:
         return len(self._inflight)
 
-    # num_generating keeps the base default (every request in flight): which of them vLLM has
-    # scheduled is in its /metrics gauges only, an HTTP call, while these properties are read
-    # synchronously on every load report.
-
     @property
     def context_tokens(self) -> int:
-        """Prompt tokens of the requests in flight: a lower bound of their context, since the tokens
-        vLLM has generated so far arrive only with the (non-streamed) response."""
-        return self._prompt_tokens
+        """Prompt plus streamed tokens of the requests in flight."""
+        return self._context
 
     @property
     def tokens_generated(self) -> int:
         return self._tokens
 
-    async def start(self) -> None:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, headers=headers)
-
+    # -- HTTP ------------------------------------------------------------------------------------
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             raise Unavailable(f"engine {self.engine_id} not started")
         return self._client
 
-    async def _post(self, path: str, **kwargs: Any) -> Any:
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            resp = await self._http().post(path, **kwargs)
+            resp = await self._http().request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise Unavailable(f"vLLM server {self.base_url} unreachable: {exc!r}") from exc
-        if resp.status_code == 400:
+        if resp.status_code in (400, 422):
             raise InvalidArgument(f"vLLM rejected {path}: {resp.text[:500]}")
         if resp.status_code >= 300:
             raise Unavailable(f"vLLM {path} answered {resp.status_code}: {resp.text[:500]}")
         return resp.json() if resp.content else {}
 
-    async def _complete(self, request: GenerationRequest, version: int) -> Completion:
+    async def _rpc(self, method: str, **kwargs: str) -> list[Any]:
+        """`collective_rpc` on every worker of the server; their results, one per worker."""
+        body = {"method": method, "kwargs": kwargs}
+        return list((await self._call("POST", "/collective_rpc", json=body)).get("results") or [])
+
+    async def is_sleeping(self) -> bool:
+        return bool((await self._call("GET", "/is_sleeping"))["is_sleeping"])
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Wait for the server, wake it if a previous engine put it to sleep, load its weights."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, headers=headers)
+        await wait_healthy(self.base_url, self.start_timeout_s)
+        slept = await self.is_sleeping()
+        if slept:
+            await self._call("POST", "/wake_up", params={"tags": "weights"})
+        held = min(int(v) for v in await self._rpc("gyre_weight_version") or ["0"])
+        wanted = self.initial_weights
+        if wanted is not None and wanted.version != held or slept and self.sleep_level == 2:
+            await self._load(wanted or common_pb2.WeightVersion(version=0))
+        else:
+            self._version = held
+        if slept:
+            await self._call("POST", "/wake_up", params={"tags": "kv_cache"})
+        self._state = EngineState.SERVING
+
+    async def _load(self, weights: common_pb2.WeightVersion) -> None:
+        kwargs = {"version": str(int(weights.version)), "uri": weights.uri, "sha256": weights.sha256}
+        await self._rpc("gyre_load_weights", **kwargs)
+        self._version = int(weights.version)
+
+    async def load_weights(self, weights: common_pb2.WeightVersion) -> None:
+        if weights.version <= self._version:
+            return
+        self._admit.clear()
+        try:
+            await asyncio.gather(*list(self._inflight.values()), return_exceptions=True)
+            await self._call("POST", "/pause", params={"mode": "wait"})
+            try:
+                await self._load(weights)
+            finally:
+                await self._call("POST", "/resume")
+        finally:
+            self._admit.set()
+
+    async def drain(self) -> None:
+        """Stop admitting, abort what runs (keeping every streamed token), return when all answered."""
+        if self._state is EngineState.SERVING:
+            self._state = EngineState.DRAINING
+        self._admit.set()
+        if self._inflight and self._client is not None and not self._failed:
+            with contextlib.suppress(Unavailable, InvalidArgument):
+                await self._call("POST", "/abort_requests", json={"request_ids": list(self._inflight)})
+            _, pending = await asyncio.wait(list(self._inflight.values()), timeout=10.0)
+            for task in pending:  # the server did not end the stream: cut it ourselves
+                task.cancel()
+        await asyncio.gather(*list(self._inflight.values()), return_exceptions=True)
+        self._state = EngineState.STOPPED
+
+    async def close(self) -> None:
+        """Drain, then put the server to sleep (its device is going to training), then disconnect."""
+        await self.drain()
+        if self._client is not None:
+            if not self._failed:
+                try:
+                    await self._call("POST", "/sleep", params={"level": str(self.sleep_level)})
+                except Unavailable as exc:
+                    log.warning("engine %s: could not put vLLM to sleep: %s", self.engine_id, exc)
+            await self._client.aclose()
+            self._client = None
+
+    # -- generation ------------------------------------------------------------------------------
+    def _body(self, request: GenerationRequest, request_id: str) -> dict[str, Any]:
         s = request.sampling
-        body = {
+        return {
             "model": self.model,
             "prompt": request.prompt_ids,
             "max_tokens": s.max_tokens,
@@ -113,72 +207,81 @@ class VLLMEngine(Engine):
             "top_p": s.top_p,
             "seed": s.seed,
             "stop_token_ids": list(s.stop_token_ids),
-            "logprobs": 1,
+            "logprobs": 0,
             "return_token_ids": True,
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
+            "stream": True,
+            "request_id": request_id,
             "user": request.execution_id or None,
         }
-        data = await self._post("/v1/completions", json=body)
-        choice = data["choices"][0]
-        ids = [int(t) for t in choice["token_ids"]]
-        lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
-        if len(lps) != len(ids):
-            raise Unavailable(f"vLLM returned {len(ids)} token ids but {len(lps)} log-probs")
-        self._tokens += len(ids)
-        reason = "stop" if choice.get("finish_reason") == "stop" else "length"
-        return Completion(ids, lps, [version] * len(ids), reason, [self.engine_id])
+
+    async def _stream(self, request: GenerationRequest, request_id: str, out: Completion) -> None:
+        """Append every streamed token to `out`; set its finish_reason from vLLM's."""
+        body = self._body(request, request_id)
+        async with self._http().stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code >= 300:
+                text = (await resp.aread()).decode(errors="replace")[:500]
+                if resp.status_code in (400, 422):
+                    raise InvalidArgument(f"vLLM rejected the completion: {text}")
+                raise Unavailable(f"vLLM /v1/completions answered {resp.status_code}: {text}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise Unavailable(f"vLLM stream error: {chunk['error']}")
+                for choice in chunk.get("choices", []):
+                    ids = [int(t) for t in choice.get("token_ids") or []]
+                    lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+                    if len(lps) != len(ids):
+                        raise Unavailable(f"vLLM streamed {len(ids)} token ids but {len(lps)} log-probs")
+                    out.token_ids += ids
+                    out.logprobs += lps
+                    out.versions += [self._version] * len(ids)
+                    self._tokens += len(ids)
+                    self._context += len(ids)
+                    if choice.get("finish_reason"):
+                        out.finish_reason = {"stop": "stop", "length": "length"}.get(
+                            choice["finish_reason"], "cut"
+                        )
 
     async def generate(self, request: GenerationRequest) -> Completion:
         await self._admit.wait()
         if self._state is not EngineState.SERVING:
             return Completion(finish_reason="cut", engine_ids=[self.engine_id])
-        task = asyncio.create_task(self._complete(request, self._version))
-        self._inflight.add(task)
-        self._prompt_tokens += len(request.prompt_ids)
+        self._seq += 1
+        request_id = f"{self.engine_id}-{self._seq}-{request.request_id}"
+        out = Completion(engine_ids=[self.engine_id])
+        task = asyncio.create_task(self._stream(request, request_id, out))
+        self._inflight[request_id] = task  # type: ignore[assignment]
+        self._context += len(request.prompt_ids)
         try:
-            return await asyncio.shield(task)
+            await asyncio.shield(task)
         except asyncio.CancelledError:
-            if task.cancelled() and self._state is not EngineState.SERVING:
-                return Completion(finish_reason="cut", engine_ids=[self.engine_id])
-            task.cancel()
-            raise
+            if not (task.cancelled() and self._state is not EngineState.SERVING):
+                task.cancel()
+                raise
+        except (httpx.HTTPError, Unavailable) as exc:
+            if self._state is EngineState.SERVING:  # the server went away under a live request
+                out.finish_reason = "cut"
+                self._fail(exc)
+                raise EngineFailed(f"vLLM engine {self.engine_id} failed: {exc!r}", out) from exc
         finally:
-            self._inflight.discard(task)
-            self._prompt_tokens -= len(request.prompt_ids)
+            self._inflight.pop(request_id, None)
+            self._context -= len(request.prompt_ids) + len(out.token_ids)
+        if out.finish_reason not in ("stop", "length"):
+            out.finish_reason = "cut"  # aborted by a drain (or the stream ended early): resumed elsewhere
+        return out
 
-    async def load_weights(self, weights: common_pb2.WeightVersion) -> None:
-        if weights.version <= self._version:
+    def _fail(self, exc: BaseException) -> None:
+        if self._failed:
             return
-        self._admit.clear()
-        try:
-            await asyncio.gather(*list(self._inflight), return_exceptions=True)
-            kwargs = {"version": int(weights.version), "uri": weights.uri, "sha256": weights.sha256}
-            await self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": kwargs})
-            self._version = int(weights.version)
-        finally:
-            self._admit.set()
-
-    async def sleep(self, level: int = 1) -> None:
-        await self._post("/sleep", params={"level": str(level)})
-
-    async def wake_up(self) -> None:
-        await self._post("/wake_up")
-
-    async def is_sleeping(self) -> bool:
-        resp = await self._http().get("/is_sleeping")
-        return bool(resp.json()["is_sleeping"])
-
-    async def drain(self) -> None:
-        self._state = EngineState.DRAINING
-        self._admit.set()
-        for task in list(self._inflight):
-            task.cancel()
-        await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        self._failed = True
         self._state = EngineState.STOPPED
-
-    async def close(self) -> None:
-        await self.drain()
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        log.error("vLLM engine %s on %s failed: %r", self.engine_id, self.device_id, exc)
+        if self.on_failure is not None:
+            self.on_failure(self, exc)

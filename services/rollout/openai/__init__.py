@@ -7,8 +7,6 @@ of this server. Routes (model routes also under a per-execution prefix `/x/{exec
 - `POST /v1/messages`, the Anthropic Messages API on the chat path (anthropic_messages.py);
 - `POST /gyre/executions` (issue a per-execution endpoint), `POST /gyre/executions/{id}/end` or
   `POST /x/{token}/gyre/end` (an external harness reports the end of an execution) (routes.py);
-- admin, the vLLM stand-in used by `VLLMEngine`: `GET /is_sleeping`, `POST /sleep`,
-  `POST /wake_up`, `POST /collective_rpc` (standin.py).
 
 Parts: schema.py (request models), auth.py (keys and the per-execution registry), endpoint.py
 (generation through the router, one step per call), responses.py (response bodies), app.py (the

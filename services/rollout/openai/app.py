@@ -15,7 +15,6 @@ from .anthropic_messages import anthropic_error
 from .endpoint import OpenAIEndpoint
 from .routes import control_routes, model_routes
 from .schema import ApiError
-from .standin import standin_routes
 
 _STATUS: list[tuple[type[GyreError], int]] = [
     (NotFound, 404), (PayloadTooLarge, 413), (InvalidArgument, 400), (Conflict, 409),
@@ -36,7 +35,6 @@ def create_app(endpoint: OpenAIEndpoint) -> FastAPI:
     app.include_router(model_routes)
     app.include_router(model_routes, prefix="/x/{exec_token}")
     app.include_router(control_routes)
-    app.include_router(standin_routes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from gyre.errors import Conflict, InvalidArgument, PayloadTooLarge
+from gyre.errors import InvalidArgument, PayloadTooLarge
 from gyre.tokenizers import Tokenizer, load_tokenizer
-from gyre.v1 import common_pb2
 
 from ..agent import call_seed, step_event
 from ..engines.base import Completion, GenerationRequest, Sampling
@@ -69,8 +67,6 @@ class OpenAIEndpoint(ExecutionRegistry):
         self.tokenizer = tokenizer or load_tokenizer("byte")
         self.vocab_size = vocab_size or self.tokenizer.vocab_size
         self.max_prompt_tokens, self.max_request_bytes = max_prompt_tokens, max_request_bytes
-        self.sleeping = False
-        self.weights_loader: Callable[[common_pb2.WeightVersion], Awaitable[None]] | None = None
 
     def sampling(self, body: SamplingBody, state: ExecutionState, num_prompt_tokens: int) -> Sampling:
         """Engine sampling of one call; `max_tokens` defaults to the context left after the prompt."""
@@ -136,8 +132,6 @@ class OpenAIEndpoint(ExecutionRegistry):
         self, state: ExecutionState, prompt: list[int], sampling: Sampling, stops: list[str] | None = None
     ) -> tuple[Completion, str | None]:
         """One generation through the router, cut at `stops`, published as step `call_seq` of `state`."""
-        if self.sleeping:
-            raise Conflict("the engine is sleeping; POST /wake_up first")
         seq = state.calls
         state.calls += 1
         state.last_call_s = time.monotonic()

@@ -212,17 +212,6 @@ class IssueRequest(_Body):
     execution_id: str | None = Field(None, pattern=ID_PATTERN.pattern)
 
 
-class CollectiveRpcKwargs(_Body):
-    version: int = Field(ge=1)
-    uri: str = Field(max_length=4096)
-    sha256: str = ""
-
-
-class CollectiveRpcRequest(_Body):
-    method: Literal["reload_weights"]
-    kwargs: CollectiveRpcKwargs
-
-
 B = TypeVar("B", bound=BaseModel)
 
 
