@@ -6,8 +6,10 @@
        bit for bit (skipped with one GPU)
     3. the torch inference engine on CUDA: concurrent generations -> decode tokens/s
 
-No vLLM. `--allow-cpu` runs the same code on the CPU with small sizes (a smoke test of the script
-itself on a machine without a GPU; its numbers say nothing about a GPU).
+The torch engine's close gives its cached CUDA memory back (reserved MiB before/after). vLLM has
+its own section: `scripts/gpu_check.sh --vllm` (scripts/vllm_check.py). `--allow-cpu` runs the
+same code on the CPU with small sizes (a smoke test of the script itself on a machine without a
+GPU; its numbers say nothing about a GPU).
 """
 
 from __future__ import annotations
@@ -156,7 +158,13 @@ async def check_decode(device: str, model: ModelConfig, sizes: dict[str, int], o
             "decode_tokens_per_s": sum(generated) / (time.perf_counter() - t0),
         }
     finally:
-        await engine.close()
+        reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
+        await engine.close()  # the device would go to training: its cached memory goes back
+        if device == "cuda":
+            out["engine_close"] = {
+                "reserved_before_mib": reserved / 2**20,
+                "reserved_after_mib": torch.cuda.memory_reserved() / 2**20,
+            }
 
 
 def sync(device: str) -> None:

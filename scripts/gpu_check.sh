@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# GPU readiness check (<= 8 minutes, no vLLM): Megatron model + tree-packed micro-batched training
-# step on CUDA (flex attention), NCCL data-parallel resize 1 -> 2 -> 1 when more than one GPU,
-# torch-engine decode tokens/s and train tokens/s, printed as one JSON object.
+# GPU readiness check (<= 8 minutes): Megatron model + tree-packed micro-batched training step on
+# CUDA (flex attention), NCCL data-parallel resize 1 -> 2 -> 1 when more than one GPU, torch-engine
+# decode tokens/s and train tokens/s, printed as one JSON object (scripts/gpu_check.py).
 #
 #   scripts/gpu_check.sh               # on a GPU host, from the repository root
 #   scripts/gpu_check.sh --allow-cpu   # smoke-test the script itself without a GPU
+#   scripts/gpu_check.sh --vllm        # the vLLM section (scripts/vllm_check.py): start two
+#                                      # `vllm serve`, generate, reload a version, sleep/wake, migrate
 #
 # Needs torch with CUDA, megatron-core (a small pure-Python wheel: on a host without network,
-# `pip install --no-index megatron_core-*.whl`), pydantic, grpcio, protobuf, safetensors.
+# `pip install --no-index megatron_core-*.whl`), pydantic, grpcio, protobuf, safetensors; the vLLM
+# section needs the `gpu` extra (`pip install -e .[gpu]`) and transformers.
 # CI never runs it. PYTHON selects the interpreter (default: .venv/bin/python if present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+if [ "${1:-}" = "--vllm" ]; then
+    shift
+    exec timeout 900 "$PYTHON" scripts/vllm_check.py "$@"
+fi
 exec timeout 480 "$PYTHON" scripts/gpu_check.py "$@"

@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import torch
 
 from gyre.model import ModelConfig
 from services.rollout.engines.base import GenerationRequest, Sampling
@@ -101,3 +102,10 @@ async def test_a_request_goes_to_the_engine_whose_decoding_holds_the_least_conte
     assert (await router._pick()).engine_id == "e0"  # equal context: fewer active requests
     router.engines["d1"] = _Loaded("e1", 1, 9_000)  # type: ignore[assignment]
     assert (await router._pick()).engine_id == "e0"  # a full tie: the lower engine id
+
+
+def test_closing_a_torch_engine_returns_cached_device_memory_only_where_there_is_a_cuda_device() -> None:
+    from services.rollout.engines.torch_engine import release_device_memory
+
+    assert release_device_memory("cpu") is False  # nothing cached on the host to give back
+    assert release_device_memory("cuda:0") is torch.cuda.is_available()

@@ -34,6 +34,7 @@ restarts it (never a zombie that says SERVING).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -230,10 +231,16 @@ class TorchEngine(Engine):
         self._state = EngineState.STOPPED
 
     async def close(self) -> None:
+        """Drain, drop the model and give its device memory back (the device may go to training).
+
+        On CUDA the caching allocator's free blocks are returned to the driver (`empty_cache`), so the
+        trainer sees the memory free; the CUDA context itself (a few hundred MB) lives as long as the
+        rollout process — a process cannot drop it and keep using CUDA elsewhere."""
         await self.drain()
         if self._task is not None and self._failure is None:
             await self._task
         self._model = None
+        release_device_memory(self.torch_device)
 
     # -- the loop ----------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -436,3 +443,15 @@ class TorchEngine(Engine):
                 still.append(seq)
         self._running = still
         self._note_idle()
+
+
+def release_device_memory(device: str | torch.device) -> bool:
+    """Return a CUDA device's cached free memory to the driver; False (nothing to do) elsewhere."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    gc.collect()  # tensors kept alive only by reference cycles (the model's hooks) go first
+    with torch.cuda.device(dev):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return True
