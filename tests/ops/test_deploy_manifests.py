@@ -1,12 +1,22 @@
 """The docker-compose file and the Kubernetes manifests say what the issue asks of them.
 
 Structure checks on the parsed compose file (no Docker needed) and offline schema validation of
-every Kubernetes manifest with kubernetes-validate (strict: unknown fields are errors).
+every Kubernetes manifest with kubernetes-validate (strict: unknown fields are errors). The GPU
+deployment (Dockerfile.gpu, deploy/compose.gpu.yml, deploy/run.gpu.yaml, the deploy/k8s-gpu
+overlay) is checked the same way: the compose override merged onto docker-compose.yml and the
+overlay's patches applied to the base manifests here, in Python, with the merge rules of Compose
+and of kustomize's strategic-merge patches for the fields they touch; where `kubectl` is
+installed, its own `kubectl kustomize` rendering must agree. Nothing is built or applied.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +96,13 @@ def test_cpu_override_resets_every_gpu_reservation() -> None:
     assert {n for n, s in override["services"].items() if s.get("deploy") == "RESET"} == with_gpu
 
 
-def test_every_path_the_dockerfile_copies_exists() -> None:
-    text = (ROOT / "Dockerfile").read_text()
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu"])
+def test_every_path_the_dockerfile_copies_exists(dockerfile: str) -> None:
+    text = (ROOT / dockerfile).read_text()
     sources = [src for line in re.findall(r"^COPY (.+)$", text, re.M) for src in line.split()[:-1]]
     assert sources
     missing = [s for s in sources if not (ROOT / s).exists()]
-    assert not missing, f"Dockerfile copies paths that do not exist: {missing}"
+    assert not missing, f"{dockerfile} copies paths that do not exist: {missing}"
 
 
 def test_every_kubernetes_manifest_is_valid_against_the_schema() -> None:
@@ -232,3 +243,487 @@ def test_services_find_each_other_through_their_own_address_fields(name: str, wh
         other = field.removesuffix("_address")
         if field.endswith("_address") and other in SERVICES:
             assert overrides.get((name, field), "").startswith(other), f"{where}: {name}.{field} is not set"
+
+
+# --- GPU deployment: Dockerfile.gpu, deploy/compose.gpu.yml, deploy/run.gpu.yaml, deploy/k8s-gpu ---
+
+GPU_DOCKERFILE = ROOT / "Dockerfile.gpu"
+COMPOSE_GPU = ROOT / "deploy" / "compose.gpu.yml"
+RUN_GPU = ROOT / "deploy" / "run.gpu.yaml"
+K8S_GPU_DIR = ROOT / "deploy" / "k8s-gpu"
+RUN_CONFIG_PATH = "/etc/gyre/run.yaml"
+MODELS_PATH = "/data/models"
+
+
+def _dockerfile_base(text: str) -> str:
+    """The image of the first FROM, with the ARG defaults declared before it substituted."""
+    args: dict[str, str] = {}
+    for line in text.splitlines():
+        if match := re.match(r"ARG (\w+)=(\S+)$", line):
+            args[match[1]] = match[2]
+        elif line.startswith("FROM "):
+            image = line.split()[1]
+            return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m[1], m[0]), image)
+    raise AssertionError("no FROM line")
+
+
+def test_the_cpu_image_is_still_the_slim_python_one_with_the_cpu_run_config() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert _dockerfile_base(text) == "python:3.11-slim"
+    assert re.search(r"^COPY deploy/run\.yaml /etc/gyre/run\.yaml$", text, re.M)
+
+
+def test_gpu_image_builds_on_a_cuda_devel_image_with_a_compiler_and_the_python_headers() -> None:
+    text = GPU_DOCKERFILE.read_text()
+    assert re.fullmatch(
+        r"nvidia/cuda:\d+\.\d+(\.\d+)?-(cudnn\d*-)?devel-ubuntu\d+\.\d+", _dockerfile_base(text)
+    )
+    assert "build-essential" in text  # gcc/g++ for triton's launcher and other run-time kernel builds
+    assert re.search(r"python\$\{PYTHON_VERSION\}-dev", text)
+
+
+def test_gpu_image_python_is_one_the_project_supports() -> None:
+    from packaging.specifiers import SpecifierSet
+
+    version = re.search(r"^ARG PYTHON_VERSION=(\S+)$", GPU_DOCKERFILE.read_text(), re.M)
+    assert version, "Dockerfile.gpu names no PYTHON_VERSION"
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert SpecifierSet(requires).contains(version[1] + ".0"), (version[1], requires)
+
+
+def test_gpu_image_installs_the_gpu_extra_then_the_other_dependencies_without_torch_then_gyre() -> None:
+    text = GPU_DOCKERFILE.read_text()
+    gpu_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "gpu"
+    ]
+    assert any(req.startswith("vllm") for req in gpu_extra)
+    extra = text.find("['optional-dependencies']['gpu']")
+    deps = text.find("['project']['dependencies']")
+    project = text.find("pip install --no-deps -e .")
+    assert -1 < extra < deps < project, "order: gpu extra, other dependencies, then Gyre without deps"
+    assert "!= 'torch'" in text[deps:project], "torch must be left out of the second install"
+    assert re.search(r"pip install -r /tmp/requirements\.txt -c \S+", text), (
+        "the other dependencies must be constrained to what the gpu extra installed"
+    )
+
+
+def test_gpu_image_bakes_the_gpu_run_config_and_exposes_grpc_metrics_and_openai_ports() -> None:
+    text = GPU_DOCKERFILE.read_text()
+    assert re.search(r"^COPY deploy/run\.gpu\.yaml /etc/gyre/run\.yaml$", text, re.M)
+    exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", text, re.M) for p in line.split()}
+    assert {50051, 9090, 8000} <= exposed
+    assert re.search(r'^ENTRYPOINT \["/usr/bin/tini", "--"\]$', text, re.M)
+    runs = [" ".join(run.split()) for run in re.findall(r"^RUN ((?:.*\\\n)*.*)$", text, re.M)]
+    assert any(re.search(r"apt-get install [^&]*\btini\b", run) for run in runs), "tini is not installed"
+
+
+def _interpolate(value: Any) -> Any:
+    """Compose's `${VAR:-default}` / `${VAR-default}` / `${VAR}` with an empty environment."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: m[2] or "", value)
+    if isinstance(value, dict):
+        return {k: _interpolate(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v) for v in value]
+    return value
+
+
+def _mount_target(mount: str | dict[str, Any]) -> str:
+    return mount["target"] if isinstance(mount, dict) else mount.split(":")[1]
+
+
+def _compose_merge(base: Any, override: Any, key: str | None = None) -> Any:
+    """`override` laid over `base` as Compose does for the keys used here: mappings merge key by
+    key, a service's `volumes` merge by mount target (the override's mount replaces the base's at
+    the same path), `ports` are concatenated, any other sequence or scalar is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for k, v in override.items():
+            merged[k] = _compose_merge(base[k], v, k) if k in base else v
+        return merged
+    if isinstance(base, list) and isinstance(override, list):
+        if key == "volumes":
+            replaced = {_mount_target(m) for m in override}
+            return [m for m in base if _mount_target(m) not in replaced] + override
+        if key == "ports":
+            return base + [p for p in override if p not in base]
+    return override
+
+
+def _compose_gpu() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_GPU.read_text())
+
+
+def _compose_with_gpu_override() -> dict[str, Any]:
+    return _compose_merge(_interpolate(_compose()), _interpolate(_compose_gpu()))
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """{target: source} of a service's short-syntax volumes."""
+    return {m.split(":")[1]: m.split(":")[0] for m in service.get("volumes", [])}
+
+
+def _bytes(size: str | int) -> int:
+    """A Compose byte value ('16gb', '512m', 1073741824) in bytes."""
+    match = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(size).lower())
+    assert match, size
+    return int(match[1]) << {"": 0, "k": 10, "m": 20, "g": 30}[match[2]]
+
+
+def _seconds(duration: str) -> float:
+    """A Compose duration ('1m30s', '20m', '90s') in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def test_gpu_override_names_only_services_of_the_base_file() -> None:
+    assert set(_compose_gpu()["services"]) <= set(_compose()["services"])
+
+
+@pytest.mark.parametrize("name", sorted(GPU_SERVICES))
+def test_gpu_override_runs_trainer_and_rollout_on_the_gpu_image_with_shared_memory_for_nccl(
+    name: str,
+) -> None:
+    base = _interpolate(_compose())["services"][name]
+    service = _compose_with_gpu_override()["services"][name]
+    build = service["build"]
+    assert build["dockerfile"] == "Dockerfile.gpu"
+    assert (ROOT / build["context"] / build["dockerfile"]).is_file()
+    assert service["image"] == "gyre:gpu" != base["image"]  # never tagged like the CPU image
+    assert service["ipc"] == "host"
+    assert _bytes(service["shm_size"]) >= 1 << 30  # Docker's default /dev/shm is 64 MB
+    assert service["ulimits"]["memlock"] == -1
+    assert service["ulimits"]["stack"] == 64 * 1024 * 1024
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_with_the_gpu_override_every_service_reads_the_gpu_run_config(name: str) -> None:
+    service = _compose_with_gpu_override()["services"][name]
+    targets = [_mount_target(m) for m in service["volumes"]]
+    assert targets.count(RUN_CONFIG_PATH) == 1, targets
+    source = _mounts(service)[RUN_CONFIG_PATH]
+    assert (ROOT / source).resolve() == RUN_GPU
+    assert _mounts(service)["/data/run"] == "run-data"  # the shared run directory stays
+
+
+@pytest.mark.parametrize("name", sorted(GPU_SERVICES))
+def test_gpu_override_mounts_the_models_read_only_where_the_run_config_looks_for_the_checkpoint(
+    name: str,
+) -> None:
+    service = _compose_with_gpu_override()["services"][name]
+    mount = next(m for m in service["volumes"] if _mount_target(m) == MODELS_PATH)
+    assert mount.split(":")[2:] == ["ro"]
+    rollout = yaml.safe_load(RUN_GPU.read_text())["rollout"]
+    assert Path(rollout["vllm"]["model"]).is_relative_to(MODELS_PATH)
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_merging_the_gpu_override_keeps_commands_healthchecks_dependencies_and_gpu_reservations(
+    name: str,
+) -> None:
+    base = _interpolate(_compose())["services"][name]
+    merged = _compose_with_gpu_override()["services"][name]
+    for key in ("command", "environment", "ports", "depends_on", "restart", "deploy"):
+        assert merged.get(key) == base.get(key), key
+    for key in ("test", "interval", "timeout", "retries"):
+        assert merged["healthcheck"][key] == base["healthcheck"][key], key
+
+
+def test_gpu_override_waits_for_vllm_before_calling_the_rollout_unhealthy() -> None:
+    rollout = _compose_with_gpu_override()["services"]["rollout"]
+    vllm = yaml.safe_load(RUN_GPU.read_text())["rollout"]["vllm"]
+    assert _seconds(rollout["healthcheck"]["start_period"]) >= vllm["start_timeout_s"]
+
+
+# --- deploy/run.gpu.yaml with the services' own config loader ---
+
+
+def _run_config_models() -> dict[str, type]:
+    from app.job.config import JobConfig
+    from app.launcher.config import LauncherConfig, service_config_model
+
+    models: dict[str, type] = {"job": JobConfig, "launcher": LauncherConfig}
+    for name in SERVICES:
+        model = service_config_model(name)
+        assert model is not None, name
+        models[name] = model
+    return models
+
+
+def _load_run_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Every section of `raw` as the services load it (gyre.config), typed; an unknown section
+    (which every service would silently ignore) is an error here."""
+    from gyre.config import load_common, load_section
+
+    models = _run_config_models()
+    sections = [k for k, v in raw.items() if isinstance(v, dict) and k != "devices"]
+    unknown = [k for k in sections if k not in models]
+    assert not unknown, f"sections no service reads: {unknown}"
+    loaded: dict[str, Any] = {"common": load_common(data=raw)}
+    for section in sections:
+        loaded[section] = load_section(models[section], section, data=raw)
+    return loaded
+
+
+def _replace_value(value: Any, old: str, new: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _replace_value(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_value(v, old, new) for v in value]
+    return new if value == old else value
+
+
+@pytest.fixture
+def _no_gyre_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader lays GYRE_* variables over the file: validate the file alone."""
+    for key in list(os.environ):
+        if key.startswith("GYRE_"):
+            monkeypatch.delenv(key)
+
+
+def _checkpoint() -> str:
+    return str(yaml.safe_load(RUN_GPU.read_text())["rollout"]["vllm"]["model"])
+
+
+@pytest.mark.usefixtures("_no_gyre_env")
+def test_gpu_run_config_validates_with_the_services_own_loader_and_serves_one_checkpoint_with_vllm() -> None:
+    from tests.helpers.tiny_hf import tiny_qwen2_dir
+
+    # The checkpoint exists only inside the container; the loader opens its tokenizer, so a local
+    # tokenizer directory stands in for it (a model vocabulary too small for it would still fail).
+    raw = _replace_value(yaml.safe_load(RUN_GPU.read_text()), _checkpoint(), str(tiny_qwen2_dir()))
+    loaded = _load_run_config(raw)
+    rollout, trainer = loaded["rollout"], loaded["trainer"]
+    assert rollout.engine == "vllm"
+    assert rollout.vllm.model is not None and not rollout.vllm.urls  # the rollout starts the servers
+    assert rollout.device_kind == "cuda" and trainer.device == "cuda"
+    same = {
+        str(rollout.vllm.model),
+        rollout.init_weights,
+        rollout.tokenizer,
+        trainer.init_weights,
+        trainer.tokenizer,
+    }
+    assert same == {str(tiny_qwen2_dir())}, "serve, train and tokenise the one checkpoint"
+    assert rollout.model == trainer.model
+    assert loaded["trajectory"].vocab_size == trainer.model.vocab_size
+
+
+@pytest.mark.usefixtures("_no_gyre_env")
+def test_gpu_run_config_is_refused_naming_the_checkpoint_when_it_is_not_mounted() -> None:
+    from gyre.errors import ConfigError
+
+    if Path(_checkpoint()).exists():
+        pytest.skip(f"{_checkpoint()} exists on this machine")
+    with pytest.raises(ConfigError, match=re.escape(_checkpoint())):
+        _load_run_config(yaml.safe_load(RUN_GPU.read_text()))
+
+
+@pytest.mark.usefixtures("_no_gyre_env")
+def test_gpu_run_config_gives_gyre_up_longer_than_vllm_takes_to_start() -> None:
+    raw = yaml.safe_load(RUN_GPU.read_text())
+    from app.launcher.config import LauncherConfig
+    from gyre.config import load_section
+
+    launcher = load_section(LauncherConfig, "launcher", data=raw)
+    vllm_start = raw["rollout"]["vllm"].get("start_timeout_s", 900.0)
+    assert launcher.start_timeout_s > vllm_start
+
+
+# --- deploy/k8s-gpu: the overlay rendered here (resources + strategic-merge patches) ---
+
+# Merge keys of the lists these patches touch (the Kubernetes API's patchMergeKey); a list without
+# one (tolerations, command, args) is replaced by the patch's, as kustomize does.
+SMP_MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "env": "name",
+}
+
+
+def _strategic_merge(base: Any, patch: Any, key: str | None = None) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for k, v in patch.items():
+            if v is None:
+                merged.pop(k, None)
+            else:
+                merged[k] = _strategic_merge(base[k], v, k) if k in base else v
+        return merged
+    if isinstance(base, list) and isinstance(patch, list) and key in SMP_MERGE_KEYS:
+        field = SMP_MERGE_KEYS[key]
+        merged_list = list(base)
+        for item in patch:
+            at = next((i for i, b in enumerate(merged_list) if b.get(field) == item.get(field)), None)
+            if at is None:
+                merged_list.append(item)
+            else:
+                merged_list[at] = _strategic_merge(merged_list[at], item)
+        return merged_list
+    return patch
+
+
+def _kustomization(directory: Path) -> dict[str, Any]:
+    return yaml.safe_load((directory / "kustomization.yaml").read_text())
+
+
+def _render(directory: Path) -> list[dict[str, Any]]:
+    """The resources of a kustomization (files and directories, recursively) with its patches."""
+    kustomization = _kustomization(directory)
+    docs: list[dict[str, Any]] = []
+    for resource in kustomization.get("resources", []):
+        path = directory / resource
+        if path.is_dir():
+            docs += _render(path)
+        else:
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for entry in kustomization.get("patches", []):
+        patch = yaml.safe_load((directory / entry["path"]).read_text())
+        target = [
+            i
+            for i, d in enumerate(docs)
+            if (d["apiVersion"], d["kind"], d["metadata"]["name"])
+            == (patch["apiVersion"], patch["kind"], patch["metadata"]["name"])
+        ]
+        assert len(target) == 1, f"{entry['path']} patches {len(target)} resources, not one"
+        docs[target[0]] = _strategic_merge(docs[target[0]], patch)
+    namespace = kustomization.get("namespace")
+    for doc in docs:
+        if namespace and doc["kind"] != "Namespace":
+            doc["metadata"]["namespace"] = namespace
+    return docs
+
+
+def _gpu_docs() -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in _render(K8S_GPU_DIR)}
+
+
+def _gpu_worker() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod spec, its container) of the overlay's worker Deployment."""
+    pod = _gpu_docs()[("Deployment", "worker")]["spec"]["template"]["spec"]
+    return pod, pod["containers"][0]
+
+
+def _gpu_overlay_run_config() -> dict[str, Any]:
+    return yaml.safe_load(_gpu_docs()[("ConfigMap", "gyre-run")]["data"]["run.yaml"])
+
+
+def test_every_file_the_gpu_overlay_lists_exists() -> None:
+    kustomization = _kustomization(K8S_GPU_DIR)
+    assert "../k8s" in kustomization["resources"]
+    for resource in kustomization["resources"]:
+        path = K8S_GPU_DIR / resource
+        assert path.is_file() or (path / "kustomization.yaml").is_file(), resource
+    for entry in kustomization["patches"]:
+        assert (K8S_GPU_DIR / entry["path"]).is_file(), entry
+    listed = {*kustomization["resources"], *(e["path"] for e in kustomization["patches"])}
+    on_disk = {p.name for p in K8S_GPU_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    assert on_disk <= listed, f"files of the overlay it does not use: {on_disk - listed}"
+
+
+def test_every_manifest_the_gpu_overlay_renders_is_valid_against_the_schema() -> None:
+    docs = _gpu_docs()
+    assert ("PersistentVolumeClaim", "gyre-models") in docs
+    for (kind, name), doc in docs.items():
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"k8s-gpu: {kind}/{name}: {exc.message}")
+
+
+def test_gpu_worker_runs_the_gpu_image_with_the_nodes_gpus_memory_backed_shm_and_the_gpu_toleration() -> None:
+    pod, container = _gpu_worker()
+    _, base_worker, _ = _pod_of("trainer")
+    assert container["image"] != base_worker["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert container["image"].endswith("-gpu")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] > 0
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+    assert volumes[shm["name"]]["emptyDir"]["sizeLimit"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+
+
+def test_gpu_worker_mounts_every_volume_it_declares_and_the_models_claim_read_only() -> None:
+    docs = _gpu_docs()
+    pod, container = _gpu_worker()
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert {m["name"] for m in mounts.values()} == set(volumes)
+    assert {RUN_CONFIG_PATH.rsplit("/", 1)[0], "/data/run", "/dev/shm", MODELS_PATH} <= set(mounts)
+    models = mounts[MODELS_PATH]
+    assert models["readOnly"] is True
+    claim = volumes[models["name"]]["persistentVolumeClaim"]["claimName"]
+    assert ("PersistentVolumeClaim", claim) in docs
+    for volume in volumes.values():
+        if "persistentVolumeClaim" in volume:
+            assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in docs
+    checkpoint = Path(_gpu_overlay_run_config()["rollout"]["vllm"]["model"])
+    assert checkpoint.is_relative_to(MODELS_PATH)
+
+
+def test_gpu_worker_startup_probe_outlasts_gyre_up_starting_each_service_it_hosts() -> None:
+    _, container = _gpu_worker()
+    run = _gpu_overlay_run_config()
+    probe = container["startupProbe"]
+    assert "exec" in probe  # the patch changes the budget, not the check
+    budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+    hosted = container["command"].count("--service")
+    start = run["launcher"]["start_timeout_s"]
+    assert start > run["rollout"]["vllm"].get("start_timeout_s", 900.0)
+    assert budget >= hosted * start, (budget, hosted, start)
+
+
+def test_gpu_overlay_devices_add_up_to_the_gpus_of_the_worker() -> None:
+    _, container = _gpu_worker()
+    rollout = _gpu_overlay_run_config()["rollout"]
+    tp = rollout["vllm"].get("tensor_parallel_size", 1)
+    assert rollout["num_devices"] * tp == container["resources"]["limits"]["nvidia.com/gpu"]
+
+
+def test_gpu_overlay_run_config_is_deploy_run_gpu_yaml_apart_from_the_run_id() -> None:
+    overlay = _gpu_overlay_run_config()
+    compose = yaml.safe_load(RUN_GPU.read_text())
+    assert overlay.pop("run_id") == "k8s"
+    compose.pop("run_id")
+    assert overlay == compose
+
+
+def test_gpu_overlay_leaves_the_cpu_services_as_the_base_has_them() -> None:
+    base = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
+    gpu = _gpu_docs()
+    assert set(base) <= set(gpu)
+    for key in [("Deployment", "scheduler"), ("Deployment", "trajectory"), ("StatefulSet", "nats")]:
+        assert gpu[key] == base[key], key
+
+
+def _canonical(value: Any) -> Any:
+    """Lists in a fixed order (kustomize puts patched list items first), everything else as is."""
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        items = [_canonical(v) for v in value]
+        return (
+            sorted(items, key=lambda v: json.dumps(v, sort_keys=True))
+            if all(isinstance(v, dict) for v in items)
+            else items
+        )
+    return value
+
+
+def test_the_python_rendering_of_the_gpu_overlay_equals_kubectl_kustomize() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S_GPU_DIR)], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    rendered = {(d["kind"], d["metadata"]["name"]): _canonical(d) for d in yaml.safe_load_all(out) if d}
+    ours = {key: _canonical(doc) for key, doc in _gpu_docs().items()}
+    assert set(rendered) == set(ours)
+    for key, doc in ours.items():
+        assert rendered[key] == doc, key

@@ -1,6 +1,6 @@
 """vLLM engine: drives one `vllm serve` (vLLM 0.34, the `gpu` extra) over its HTTP API.
 
-What it sends (the shapes tests/fakes/fake_vllm.py enforces):
+What it sends (the shapes tests/helpers/fake_vllm.py enforces):
 
 - generation: `POST /v1/completions` with `prompt` = token ids, `stream: true`, `return_token_ids:
   true`, `logprobs: 0` (the sampled token's log-prob only), `seed`, `stop_token_ids`,
