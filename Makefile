@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run run-byo run-hf test test-fast lint typecheck unit proto bench bench-elastic sim docs-numbers clean
+.PHONY: help venv browser run run-byo run-hf test test-fast lint typecheck unit proto bench bench-elastic sim docs-numbers clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -32,7 +32,10 @@ run-hf: $(STAMP) ## train a tiny HF Qwen2 checkpoint with its own tokenizer (wri
 	test -f checkpoints/tiny-qwen2/tokenizer.json || $(BIN)/python -m services.trainer.hf tiny-qwen2 checkpoints/tiny-qwen2
 	$(BIN)/gyre run examples/hf_model.yaml
 
-test: $(STAMP) lint typecheck ## lint, type-check and run every test
+browser: ## install headless Chromium for the dashboard's browser test (Debian's chromium; skipped where it cannot be)
+	scripts/install_browser.sh
+
+test: $(STAMP) lint typecheck browser ## lint, type-check and run every test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP) ## the quick tier: every test not marked slow or e2e (about 2 minutes; `make test` runs all)
