@@ -91,3 +91,44 @@ def test_no_python_file_outside_generated_code_and_tests_is_longer_than_600_line
             if lines > MAX_LINES:
                 long_files[str(path.relative_to(ROOT))] = lines
     assert long_files == {}, f"files over {MAX_LINES} lines: {long_files}"
+
+
+def _string_imports(source: str) -> list[str]:
+    """Module names passed as string literals to importlib.import_module / find_spec / __import__."""
+    import ast
+
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if called not in {"import_module", "find_spec", "__import__"}:
+            continue
+        first = node.args[0]
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            names.append(first.value)
+        elif isinstance(first, ast.JoinedStr):  # f"services.{name}": its literal head names the package
+            head = first.values[0] if first.values else None
+            if isinstance(head, ast.Constant) and isinstance(head.value, str):
+                names.append(head.value)
+    return names
+
+
+def test_no_module_reaches_another_layer_by_a_name_string_the_linter_cannot_see() -> None:
+    hidden = []
+    for package in ("app", "services", "gyre"):
+        for path in (ROOT / package).rglob("*.py"):
+            if "v1" in path.relative_to(ROOT).parts[:2]:
+                continue
+            for name in _string_imports(path.read_text()):
+                if name.split(".")[0] in {"app", "services", "gyre"} and name.split(".")[0] != package:
+                    hidden.append(f"{path.relative_to(ROOT)}: {name}")
+    assert hidden == []
+
+
+def test_the_string_import_finder_sees_an_f_string_module_name() -> None:
+    source = (
+        'import importlib\nimportlib.util.find_spec(f"services.{name}")\nimportlib.import_module("app.x")\n'
+    )
+    assert _string_imports(source) == ["services.", "app.x"]

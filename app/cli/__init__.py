@@ -7,55 +7,138 @@ here exposes `main(argv: list[str]) -> int` and parses its own arguments.
 
 from __future__ import annotations
 
-import importlib
 import sys
+from collections.abc import Callable
 
-# command -> (module, one-line help). Nested commands use "group sub" keys.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "up": (
-        "app.launcher.cli",
-        "start NATS, Postgres and every service; --check verifies health and stops",
-    ),
-    "status": ("app.launcher.status", "show the health of every service of a running deployment"),
-    "events": ("app.analytics.cli", "events tail [SUBJECT] | events export --format parquet"),
-    "db": ("gyre.store.cli", "db upgrade: apply every service's Alembic migrations"),
-    "run": (
-        "app.job.run",
-        "run a training job from a YAML config (the quickstart: examples/quickstart.yaml)",
-    ),
-    "ui": ("app.ui.server", "ui RUN_DIR: read-only web dashboard (curves, device lanes, executions, trees)"),
+# command -> (loader, one-line help). Nested commands use "group sub" keys. Each loader imports its
+# command's module with an import statement inside a function: nothing heavy loads until that command
+# runs, and the layer contract (pyproject.toml, `lint-imports`) sees every edge from here.
+Main = Callable[[list[str]], "int | None"]
+
+
+def _up() -> Main:
+    from app.launcher import cli
+
+    return cli.main
+
+
+def _status() -> Main:
+    from app.launcher import status
+
+    return status.main
+
+
+def _events() -> Main:
+    from app.analytics import cli
+
+    return cli.main
+
+
+def _db() -> Main:
+    from app import db
+
+    return db.main
+
+
+def _run() -> Main:
+    from app.job import run
+
+    return run.main
+
+
+def _ui() -> Main:
+    from app.ui import server
+
+    return server.main
+
+
+def _chaos() -> Main:
+    from app import chaos
+
+    return chaos.main
+
+
+def _compare() -> Main:
+    from app.job import compare
+
+    return compare.main
+
+
+def _sim() -> Main:
+    from services.scheduler.sim import cli
+
+    return cli.main
+
+
+def _trajectory() -> Main:
+    from services.trajectory import cli
+
+    return cli.main
+
+
+def _bench_trajectory() -> Main:
+    from services.trajectory import bench
+
+    return bench.main
+
+
+def _bench_rollout() -> Main:
+    from services.rollout import bench
+
+    return bench.main
+
+
+def _bench_trainer() -> Main:
+    from services.trainer import bench
+
+    return bench.main
+
+
+def _plan_trainer() -> Main:
+    from app.cli import plan_trainer
+
+    return plan_trainer.main
+
+
+def _bench_elastic() -> Main:
+    from app.cli import bench_elastic
+
+    return bench_elastic.main
+
+
+def _fuzz() -> Main:
+    from app import fuzz
+
+    return fuzz.main
+
+
+COMMANDS: dict[str, tuple[Callable[[], Main], str]] = {
+    "up": (_up, "start NATS, Postgres and every service; --check verifies health and stops"),
+    "status": (_status, "show the health of every service of a running deployment"),
+    "events": (_events, "events tail [SUBJECT] | events export --format parquet"),
+    "db": (_db, "db upgrade: apply every service's Alembic migrations"),
+    "run": (_run, "run a training job from a YAML config (the quickstart: examples/quickstart.yaml)"),
+    "ui": (_ui, "ui RUN_DIR: read-only web dashboard (curves, device lanes, executions, trees)"),
     "chaos": (
-        "app.chaos",
+        _chaos,
         "run a job while killing each service, NATS and Postgres in turn; print recovery and loss counters",
     ),
-    "compare": (
-        "app.job.compare",
-        "compare run directories side by side, with the simulator's prediction",
-    ),
-    "sim": ("services.scheduler.sim.cli", "discrete-event cluster simulator of the scheduling policies"),
-    "trajectory": (
-        "services.trajectory.cli",
-        "trajectory export --execution ID: rebuild every call of an execution",
-    ),
+    "compare": (_compare, "compare run directories side by side, with the simulator's prediction"),
+    "sim": (_sim, "discrete-event cluster simulator of the scheduling policies"),
+    "trajectory": (_trajectory, "trajectory export --execution ID: rebuild every call of an execution"),
     "bench trajectory": (
-        "services.trajectory.bench",
+        _bench_trajectory,
         "tree vs flat vs interleaved tokens, ingest and reconstruct speed",
     ),
-    "bench rollout": (
-        "services.rollout.bench",
-        "executions across devices reassigned under load, live migration",
-    ),
-    "bench trainer": ("services.trainer.bench", "tree-packed vs flat training step"),
-    "plan trainer": (
-        "app.cli.plan_trainer",
-        "memory plan of a trainer replica: params, optimizer, activations, loss",
-    ),
+    "bench rollout": (_bench_rollout, "executions across devices reassigned under load, live migration"),
+    "bench trainer": (_bench_trainer, "tree-packed vs flat training step"),
+    "plan trainer": (_plan_trainer, "memory plan of a trainer replica: params, optimizer, activations, loss"),
     "bench elastic": (
-        "app.cli.bench_elastic",
+        _bench_elastic,
         "colocate, async and elastic on paced devices, each next to the simulator's prediction",
     ),
     "fuzz": (
-        "app.fuzz",
+        _fuzz,
         "hypothesis inputs against the HTTP endpoint and event consumers (real servers); counts crashes",
     ),
 }
@@ -87,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; `gyre {args[0]}` needs one of: {', '.join(groups)}" if groups else ""
         print(f"gyre: unknown command {' '.join(args[:2])!r}{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[key][0])
-    return int(module.main(rest) or 0)
+    command_main = COMMANDS[key][0]()
+    return int(command_main(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -222,7 +222,7 @@ class Deployment:
         self._progress(f"declaring streams on {nats_url}")
         _run_async(_ensure_streams(creds.nats_url(nats_url, ADMIN) if secured_nats else nats_url))
         self._progress("applying migrations")
-        from gyre.store.cli import upgrade_all
+        from app.db import upgrade_all
 
         db_urls: dict[str, str] = {}
         if self._database_url is None:

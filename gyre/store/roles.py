@@ -3,7 +3,7 @@
 ``ensure_service_roles(admin_url, passwords)`` creates (or re-passwords) a LOGIN role
 ``gyre_<service>`` for each service, lets it connect to the database, and lets the services that
 have migrations create tables in schema ``public``. A service's migrations then run *as its role*
-(``gyre.store.cli.upgrade_all(urls=...)``), so its tables and its ``alembic_version_<service>``
+(``app.db.upgrade_all(urls=...)``), so its tables and its ``alembic_version_<service>``
 belong to it; Postgres grants no other role anything on them (no superuser, no shared role), so
 the rollout cannot read the trajectory's tables nor the scheduler write them.
 

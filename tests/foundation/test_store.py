@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 import gyre.store
 from gyre.errors import ConfigError, Unavailable
-from gyre.store import cli as db_cli
+from app import db as db_cli
 
 ENV_PY = """
 import sqlalchemy as sa

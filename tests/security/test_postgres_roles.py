@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from gyre.embedded import EmbeddedPostgres
 from gyre.store import roles
-from gyre.store.cli import upgrade_all
+from app.db import upgrade_all
 
 PASSWORDS = {"scheduler": "pw-sched", "trajectory": "pw-traj", "trainer": "pw-train", "rollout": "pw-roll"}
 

@@ -3,25 +3,40 @@
 Services keep their migrations in services/<name>/migrations (version table alembic_version_<name>);
 a service without that directory yet is skipped with a note. The database comes from the run
 config's `database_url` or GYRE_DATABASE_URL.
+
+This is application code: it finds each service's package by an import statement (the layer
+contract in pyproject.toml sees it), never by a module-name string.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 
-SERVICES = ("scheduler", "rollout", "trajectory", "trainer")
+import services.rollout
+import services.scheduler
+import services.trainer
+import services.trajectory
+
+# The service packages (their __init__ modules import nothing heavy), by service name.
+SERVICE_PACKAGES: dict[str, ModuleType] = {
+    "scheduler": services.scheduler,
+    "rollout": services.rollout,
+    "trajectory": services.trajectory,
+    "trainer": services.trainer,
+}
+SERVICES = tuple(SERVICE_PACKAGES)
 
 
 def migrations_dir(service: str) -> Path | None:
-    """services/<service>/migrations if the service package and that directory exist."""
-    spec = importlib.util.find_spec(f"services.{service}")
-    if spec is None or not spec.submodule_search_locations:
+    """services/<service>/migrations if that service exists and has the directory (with env.py)."""
+    package = SERVICE_PACKAGES.get(service)
+    if package is None or package.__file__ is None:
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "migrations"
+    path = Path(package.__file__).parent / "migrations"
     return path if (path / "env.py").is_file() else None
 
 
