@@ -166,6 +166,11 @@ def replica_digest(model: Any, optimizer: Any) -> str:
     return h.hexdigest()
 
 
+def state_bytes(optimizer: Any) -> int:
+    """Bytes of the optimizer state this rank holds (MasterAdamW: masters included)."""
+    return sum(t.numel() * t.element_size() for t in optimizer_tensors(optimizer))
+
+
 def make_process_group(
     store: Any, generation: int, rank: int, size: int, backend: str, host: str = LOCAL_HOST
 ) -> Any:
@@ -454,6 +459,12 @@ class ResizableDPGroup:
             w.conn.send(("digest",))
         return [replica_digest(self.model, self.optimizer)] + [_expect(w, "digest") for w in self.members]
 
+    def state_bytes(self) -> list[int]:
+        """Bytes of optimizer state (with masters) that each rank holds, in rank order."""
+        for w in self.members:
+            w.conn.send(("state_bytes",))
+        return [state_bytes(self.optimizer)] + [_expect(w, "state_bytes") for w in self.members]
+
     def worker_pids(self) -> list[int]:
         return [w.process.pid or 0 for w in self.members]
 
@@ -524,6 +535,8 @@ def worker_main(conn: Connection, store_host: str, store_port: int, spec: Replic
                 conn.send(("finished",))
             elif msg[0] == "digest":
                 conn.send(("digest", replica_digest(model, optimizer)))
+            elif msg[0] == "state_bytes":
+                conn.send(("state_bytes", state_bytes(optimizer)))
             elif msg[0] == "leave":
                 return
     except BaseException:
