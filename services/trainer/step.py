@@ -16,7 +16,6 @@ they are the same functions in the same order.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
@@ -48,10 +47,12 @@ def build_replica(
 
         load_initial_weights(model, cfg.init_weights)
     ref_model = None
-    if cfg.kl_coef > 0:
-        ref_model = copy.deepcopy(model).requires_grad_(False)
-        if cfg.reference_precision == "bf16":
-            ref_model = ref_model.to(torch.bfloat16)
+    if cfg.kl_coef > 0:  # a second build, not a deepcopy: Megatron's modules hold process groups
+        ref_dtype = torch.bfloat16 if cfg.reference_precision == "bf16" else DTYPES[cfg.dtype]
+        ref_model = build_model(cfg.model, device=device, dtype=ref_dtype, seed=seed).requires_grad_(False)
+        with torch.no_grad():
+            for ref_param, param in zip(ref_model.parameters(), model.parameters(), strict=True):
+                ref_param.copy_(param)  # rounded to the reference's dtype
     if cfg.precision == "fp32" and cfg.optimizer_sharding == "none":
         optimizer: Any = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     else:

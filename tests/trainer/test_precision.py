@@ -97,3 +97,20 @@ def test_bf16_gradients_accumulate_in_fp32_main_gradients_and_the_bf16_ones_are_
     assert all(g.dtype == torch.float32 for g in optimizer.main_grads)
     assert any(float(g.abs().sum()) > 0 for g in first)
     assert any(not torch.equal(a, b) for a, b in zip(first, optimizer.main_grads, strict=True)), "accumulated"
+
+
+def test_the_reference_model_exists_only_with_a_kl_term_and_is_held_in_bf16():
+    _, _, ref, _ = build_replica(TrainerConfig(device="cpu", kl_coef=0.0), seed=0)
+    assert ref is None
+    cfg = TrainerConfig(device="cpu", kl_coef=0.1, micro_batch_tokens=40)
+    model, optimizer, ref, settings = build_replica(cfg, seed=0)
+    assert ref is not None and {p.dtype for p in ref.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in ref.parameters())
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a.to(torch.bfloat16), b), "the reference is the initial weights, rounded"
+    metrics = train_batch(model, optimizer, random_batch(7, num_nodes=16), settings, ref, 1.0, 40)
+    # before any step the policy is the reference: the k3 KL is only bf16 rounding (>= 0, small)
+    assert 0.0 <= metrics["kl_mean"] < 1e-3
+    same = TrainerConfig(device="cpu", kl_coef=0.1, reference_precision="same")
+    _, _, ref_same, _ = build_replica(same, seed=0)
+    assert ref_same is not None and {p.dtype for p in ref_same.parameters()} == {torch.float32}
