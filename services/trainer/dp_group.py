@@ -45,6 +45,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ import torch.distributed as dist
 
 from services.trainer.batch import PackedBatch
 from services.trainer.collectives import flat_by_dtype, unflatten_into
+from services.trainer.dist_checkpoint import save_shard
 from services.trainer.rendezvous import LOCAL_HOST, gloo_device, host_store, join_store
 from services.trainer.sharded_optimizer import MasterAdamW
 
@@ -459,6 +461,14 @@ class ResizableDPGroup:
             w.conn.send(("digest",))
         return [replica_digest(self.model, self.optimizer)] + [_expect(w, "digest") for w in self.members]
 
+    def save_optimizer(self, directory: Path) -> None:
+        """Every rank writes its optimizer shard under `directory` at once (dist_checkpoint.py)."""
+        for w in self.members:
+            w.conn.send(("save_optimizer", str(directory)))
+        save_shard(directory, 0, self.model, self.optimizer)
+        for w in self.members:
+            _expect(w, "saved")
+
     def state_bytes(self) -> list[int]:
         """Bytes of optimizer state (with masters) that each rank holds, in rank order."""
         for w in self.members:
@@ -503,6 +513,7 @@ def worker_main(conn: Connection, store_host: str, store_port: int, spec: Replic
         store = join_store(store_host, store_port, COLLECTIVE_TIMEOUT_S)
         conn.send(("ready",))
         pg: Any = None
+        rank = 0  # set by "join"
         while True:
             try:
                 msg = conn.recv()
@@ -535,6 +546,9 @@ def worker_main(conn: Connection, store_host: str, store_port: int, spec: Replic
                 conn.send(("finished",))
             elif msg[0] == "digest":
                 conn.send(("digest", replica_digest(model, optimizer)))
+            elif msg[0] == "save_optimizer":
+                save_shard(Path(msg[1]), rank, model, optimizer)
+                conn.send(("saved",))
             elif msg[0] == "state_bytes":
                 conn.send(("state_bytes", state_bytes(optimizer)))
             elif msg[0] == "leave":

@@ -386,12 +386,9 @@ class Trainer:
         await asyncio.to_thread(prune_versions, weights_dir, self.state.version, keep)
 
     def save_checkpoint(self) -> Path | None:
-        """Rank 0 writes the checkpoint; a sharded optimizer's shards are gathered to it first."""
-        self.dp.gather_optimizer()
-        try:
-            return self.store.save(self.model, self.optimizer, self.state)
-        finally:
-            self.dp.release_optimizer()
+        """Rank 0 writes the model and state; with a MasterAdamW every rank writes its optimizer shard."""
+        writer = self.dp.save_optimizer if isinstance(self.optimizer, MasterAdamW) else None
+        return self.store.save(self.model, self.optimizer, self.state, writer)
 
     async def ack_covered(self) -> None:
         """Ack every journaled batch the newest checkpoint covers, then forget it."""
