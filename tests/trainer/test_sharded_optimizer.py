@@ -1,7 +1,7 @@
 """ZeRO-1 (`trainer.optimizer_sharding: zero1`) over the resizable data-parallel group (gloo, CPU).
 
-Two trainers follow the same schedule of devices held — 2 ranks, then 1 (rank d1 leaves mid-step),
-then 2 again — over the same batches: one with the optimizer state sharded over the ranks, one
+Two trainers follow the same schedule of devices held — 2 ranks, then 1 (d1 leaves mid-step), then
+rank 0's device is taken (rank 0 moves), then 2 again — over the same batches: one with the optimizer state sharded over the ranks, one
 with every rank holding all of it. Per parameter AdamW is the same arithmetic on whichever rank
 runs it, and gradients are all-reduced whole, so parameters and optimizer state must be equal bit
 for bit, in fp32 and with bf16 compute and fp32 masters; while two ranks train, each holds about
@@ -23,7 +23,9 @@ from services.trainer.sharded_optimizer import MasterAdamW, assign_owners
 from tests.trainer.helpers import random_batch
 
 NUM_STEPS = 2
-SCHEDULE = [["d0", "d1"], ["d0", "d1"], ["d0"], ["d0"], ["d0", "d1"]]  # devices from boundary k on
+# devices held from boundary k on: 2 ranks, d1 leaves mid-step, rank 0's own device is taken (rank 0
+# moves onto d1), then d0 comes back as a worker
+SCHEDULE = [["d0", "d1"], ["d0", "d1"], ["d0"], ["d1"], ["d1", "d0"], ["d1", "d0"]]
 
 
 class ListSource:
