@@ -5,9 +5,9 @@
     2. NCCL data parallelism resized 1 -> 2 -> 1 at micro-batch boundaries, replicas compared
        bit for bit (skipped with one GPU)
     3. the torch inference engine on CUDA: concurrent generations -> decode tokens/s
-    4. bf16 compute with fp32 master weights (trainer.precision bf16), with and without ZeRO-1 and
-       recompute; one rank, so ZeRO-1 runs its code path unsharded), on the batches of 1 -> step seconds,
-       train tokens/s and MFU
+    4. bf16 compute with fp32 master weights (trainer.precision bf16), alone, with recompute and with
+       ZeRO-1 (one rank: its code path, unsharded), on batches like 1's -> step seconds, train
+       tokens/s and MFU
        (MFU = 6 * parameters * tokens / step seconds / the device's dense bf16 peak; attention FLOPs
        are not counted, and recompute's extra forward is not credited: it is the model FLOPs
        utilisation, not the hardware's)
@@ -149,11 +149,12 @@ async def check_bf16_master(
 ) -> None:
     """Step time, tokens/s and MFU of bf16 compute with fp32 masters (plus ZeRO-1 / recompute)."""
     results: dict[str, Any] = {}
-    for label, extra in (
+    variants: list[tuple[str, dict[str, Any]]] = [
         ("bf16_master", {}),
         ("bf16_master_recompute", {"recompute_granularity": "full"}),
         ("bf16_master_zero1", {"optimizer_sharding": "zero1"}),
-    ):
+    ]
+    for label, extra in variants:
         cfg = TrainerConfig(
             model=model,
             device="cuda" if device == "cuda" else "cpu",

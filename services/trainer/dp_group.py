@@ -41,6 +41,7 @@ import hashlib
 import logging
 import multiprocessing
 import pickle
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -253,6 +254,9 @@ class ResizableDPGroup:
         self.model, self.optimizer, self.ref_model = model, optimizer, ref_model
         self.spec_of, self.move_rank0 = spec_of, move_rank0
         self.rendezvous = rendezvous
+        # apply (a boundary outside the step, or wait_devices_applied) and a checkpoint's shard writing
+        # (SaveCheckpoint, stop) may run in two threads; both talk to the workers over their pipes
+        self.pipes_lock = threading.RLock()
         self.store: Any = None
         self.ctx = multiprocessing.get_context("spawn")
         self.home: str | None = None  # rank 0's device
@@ -288,6 +292,10 @@ class ResizableDPGroup:
         Leaving happens at once (leavers have exited on return). Joining takes workers that are
         ready; with `wait`, it first waits until every missing worker is ready.
         """
+        with self.pipes_lock:
+            return self._apply(wait)
+
+    def _apply(self, wait: bool) -> bool:
         wanted = set(self.wanted)
         gathered = self._gather_if_resizing(wait)
         changed = False
@@ -463,6 +471,10 @@ class ResizableDPGroup:
 
     def save_optimizer(self, directory: Path) -> None:
         """Every rank writes its optimizer shard under `directory` at once (dist_checkpoint.py)."""
+        with self.pipes_lock:
+            self._save_optimizer(directory)
+
+    def _save_optimizer(self, directory: Path) -> None:
         for w in self.members:
             w.conn.send(("save_optimizer", str(directory)))
         save_shard(directory, 0, self.model, self.optimizer)
