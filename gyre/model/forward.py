@@ -67,6 +67,29 @@ def _add_bias(out_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tenso
     return out if bias is None else out + bias
 
 
+def _layer(
+    layer: Any,
+    i: int,
+    x: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: AttentionMask,
+    kv_hook: KVHook | None,
+) -> torch.Tensor:
+    attn = layer.self_attention
+    q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(x))  # [S, B, heads, d]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, d]
+    if cos is not None and sin is not None:
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    if kv_hook is not None:
+        k, v = kv_hook(i, k, v)
+    ctx = attn.core_attention(
+        q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), mask, attn_mask_type=None
+    )
+    x = x + _add_bias(attn.linear_proj(ctx))
+    return x + _add_bias(layer.mlp(layer.pre_mlp_layernorm(x)))
+
+
 def hidden_states(
     model: Any,
     token_ids: torch.Tensor,
@@ -100,29 +123,6 @@ def hidden_states(
             x = _layer(layer, i, x, cos, sin, mask, kv_hook)
     x = model.decoder.final_layernorm(x)
     return x.transpose(0, 1)
-
-
-def _layer(
-    layer: Any,
-    i: int,
-    x: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    mask: AttentionMask,
-    kv_hook: KVHook | None,
-) -> torch.Tensor:
-    attn = layer.self_attention
-    q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(x))  # [S, B, heads, d]
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, d]
-    if cos is not None and sin is not None:
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    if kv_hook is not None:
-        k, v = kv_hook(i, k, v)
-    ctx = attn.core_attention(
-        q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), mask, attn_mask_type=None
-    )
-    x = x + _add_bias(attn.linear_proj(ctx))
-    return x + _add_bias(layer.mlp(layer.pre_mlp_layernorm(x)))
 
 
 def logits_from_hidden(model: Any, hidden: torch.Tensor) -> torch.Tensor:

@@ -134,18 +134,6 @@ class TrainerConfig(ConfigModel):
     dtype: str = Field(
         default="float32", pattern=r"^(float32|bfloat16|float64)$", description="Parameter dtype."
     )
-    streaming: bool = Field(
-        default=False,
-        description="Stream each step: train it in parts (>= one scored group each, whole trees) pulled as "
-        "groups are scored, up to batch_max_tokens, instead of pulling the whole batch first; the parts "
-        "are re-normalised so the step equals one batch of the same groups (docs/trainer.md, 'Streaming').",
-    )
-    stream_wait_s: float = Field(
-        default=2.0,
-        ge=0,
-        description="Streaming: how long a step waits for its next part (a newly scored group that fits) "
-        "before it takes its optimizer step (s); the wait runs while the previous part trains.",
-    )
     precision: Literal["fp32", "bf16"] = Field(
         default="fp32",
         description="Compute precision. `fp32`: the model computes and is updated in `dtype` (plain AdamW). "
@@ -178,6 +166,18 @@ class TrainerConfig(ConfigModel):
         "workers connect to it). None: torchrun's MASTER_ADDR/MASTER_PORT when both are set, else "
         "127.0.0.1 on a free port (embedded runs; every rank on this host).",
     )
+    streaming: bool = Field(
+        default=False,
+        description="Stream each step: train it in parts (>= one scored group each, whole trees) pulled as "
+        "groups are scored, up to batch_max_tokens, instead of pulling the whole batch first; the parts "
+        "are re-normalised so the step equals one batch of the same groups (docs/trainer.md, 'Streaming').",
+    )
+    stream_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="Streaming: how long a step waits for its next part (a newly scored group that fits) "
+        "before it takes its optimizer step (s); the wait runs while the previous part trains.",
+    )
 
     @model_validator(mode="after")
     def _streaming_without_step_normalisation(self) -> TrainerConfig:
@@ -193,21 +193,21 @@ class TrainerConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
-    def _bf16_masters_are_fp32(self) -> TrainerConfig:
-        if self.precision == "bf16" and self.dtype != "float32":
-            raise ValueError(
-                f"trainer.precision bf16 keeps fp32 master weights, so trainer.dtype must be float32 (the "
-                f"masters' dtype), not {self.dtype}; for pure {self.dtype} training set precision to fp32"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _kept_weight_versions_cover_the_staleness_bound(self) -> TrainerConfig:
         if self.keep_weight_versions and self.keep_weight_versions < self.max_staleness + 1:
             raise ValueError(
                 f"trainer.keep_weight_versions {self.keep_weight_versions} would delete weight versions "
                 f"the staleness bound can still use: keep at least max_staleness + 1 = "
                 f"{self.max_staleness + 1}, or unset it (max_staleness + 2), or 0 to keep every version"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _bf16_masters_are_fp32(self) -> TrainerConfig:
+        if self.precision == "bf16" and self.dtype != "float32":
+            raise ValueError(
+                f"trainer.precision bf16 keeps fp32 master weights, so trainer.dtype must be float32 (the "
+                f"masters' dtype), not {self.dtype}; for pure {self.dtype} training set precision to fp32"
             )
         return self
 
