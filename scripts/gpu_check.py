@@ -5,6 +5,12 @@
     2. NCCL data parallelism resized 1 -> 2 -> 1 at micro-batch boundaries, replicas compared
        bit for bit (skipped with one GPU)
     3. the torch inference engine on CUDA: concurrent generations -> decode tokens/s
+    4. bf16 compute with fp32 master weights (trainer.precision bf16), alone, with recompute and with
+       ZeRO-1 (one rank: its code path, unsharded), on batches like 1's -> step seconds, train
+       tokens/s and MFU
+       (MFU = 6 * parameters * tokens / step seconds / the device's dense bf16 peak; attention FLOPs
+       are not counted, and recompute's extra forward is not credited: it is the model FLOPs
+       utilisation, not the hardware's)
 
 The torch engine's close gives its cached CUDA memory back (reserved MiB before/after). vLLM has
 its own section: `scripts/gpu_check.sh --vllm` (scripts/vllm_check.py). `--allow-cpu` runs the
@@ -125,6 +131,77 @@ async def check_training(device: str, model: ModelConfig, sizes: dict[str, int],
         trainer.close()
 
 
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, per GPU
+
+
+def peak_tflops(override: float | None) -> float | None:
+    """The device's dense bf16 peak (TFLOP/s): `override`, else by name; None when unknown."""
+    if override:
+        return override
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+async def check_bf16_master(
+    device: str, model: ModelConfig, sizes: dict[str, int], peak: float | None, out: dict[str, Any]
+) -> None:
+    """Step time, tokens/s and MFU of bf16 compute with fp32 masters (plus ZeRO-1 / recompute)."""
+    results: dict[str, Any] = {}
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("bf16_master", {}),
+        ("bf16_master_recompute", {"recompute_granularity": "full"}),
+        ("bf16_master_zero1", {"optimizer_sharding": "zero1"}),
+    ]
+    for label, extra in variants:
+        cfg = TrainerConfig(
+            model=model,
+            device="cuda" if device == "cuda" else "cpu",
+            dtype="float32",
+            precision="bf16",
+            micro_batch_tokens=sizes["micro_tokens"],
+            checkpoint_every=1000,
+            pull_wait_s=0,
+            **extra,
+        )
+        steps = sizes["steps"]
+        batches = [
+            packed_batch(i, sizes["nodes"], sizes["node_len"], sizes["roots"], model.vocab_size)
+            for i in range(steps + 1)
+        ]
+        metrics: list[dict[str, float]] = []
+
+        async def sink(weights: Any, m: dict[str, float], metrics: list[dict[str, float]] = metrics) -> None:
+            metrics.append(m)
+
+        with tempfile.TemporaryDirectory() as run_dir:
+            trainer = Trainer(cfg, Path(run_dir), Batches(batches), sink, seed=0)
+            await trainer.run(max_steps=1)  # warm-up
+            sync(device)
+            t0 = time.perf_counter()
+            await trainer.run(max_steps=1 + steps)
+            sync(device)
+            elapsed = time.perf_counter() - t0
+            num_params = sum(p.numel() for p in trainer.model.parameters())
+            tokens = sum(m["num_tokens"] for m in metrics[1:])
+            achieved = 6 * num_params * tokens / elapsed
+            results[label] = {
+                "step_s": elapsed / steps,
+                "train_tokens_per_s": tokens / elapsed,
+                "model_tflops_per_s": achieved / 1e12,
+                "mfu": achieved / (peak * 1e12) if peak else None,
+                "param_dtype": str(next(trainer.model.parameters()).dtype),
+                "loss_finite": all(torch.isfinite(torch.tensor(m["loss"])).item() for m in metrics),
+                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+            }
+            trainer.close()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+    results["peak_bf16_tflops"] = peak
+    out["bf16_master"] = results
+
+
 async def check_decode(device: str, model: ModelConfig, sizes: dict[str, int], out: dict[str, Any]) -> None:
     from services.rollout.engines.base import GenerationRequest, Sampling
     from services.rollout.engines.torch_engine import TorchEngine
@@ -179,6 +256,12 @@ async def main() -> int:
     parser.add_argument(
         "--allow-cpu", action="store_true", help="smoke-test on the CPU when no GPU is present"
     )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's dense bf16 peak for MFU (default: by name)",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
@@ -207,7 +290,13 @@ async def main() -> int:
     }
     await check_training(device, model, train, out)
     await check_decode(device, model, decode, out)
-    out["ok"] = bool(out["train"]["loss_finite"]) and out["nccl_resize"].get("replicas_identical", True)
+    await check_bf16_master(device, model, train, peak_tflops(args.peak_tflops), out)
+    masters_ok = all(v["loss_finite"] for k, v in out["bf16_master"].items() if isinstance(v, dict))
+    out["ok"] = (
+        bool(out["train"]["loss_finite"])
+        and out["nccl_resize"].get("replicas_identical", True)
+        and masters_ok
+    )
     print(json.dumps(out, indent=2))
     return 0 if out["ok"] else 1
 

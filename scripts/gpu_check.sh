@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU readiness check (<= 8 minutes): Megatron model + tree-packed micro-batched training step on
 # CUDA (flex attention), NCCL data-parallel resize 1 -> 2 -> 1 when more than one GPU, torch-engine
-# decode tokens/s and train tokens/s, printed as one JSON object (scripts/gpu_check.py).
+# decode tokens/s and train tokens/s, a bf16-master step (fp32 master weights; also with ZeRO-1 and
+# recompute) with its step time and MFU, printed as one JSON object (scripts/gpu_check.py).
 #
 #   scripts/gpu_check.sh               # on a GPU host, from the repository root
 #   scripts/gpu_check.sh --allow-cpu   # smoke-test the script itself without a GPU

@@ -4,7 +4,7 @@
     gyre plan trainer --model examples/models/llama-7b.yaml --tokens 1048576 --recompute \
         --loss-chunk-tokens 4096 --dp 8 --shard-optimizer --json
 
-Prints params, grads, optimizer states, activations, loss, total and the device size in GiB and
+Prints params, grads, optimizer states, the KL reference (--kl-reference), activations, loss, total and the device size in GiB and
 FITS / DOES NOT FIT. Exit code 0 when it fits, 1 when not (with the remedies that would help and the
 total each would give), 2 on bad arguments. Pure arithmetic: no torch import, no model is built.
 """
@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size")
     parser.add_argument("--shard-optimizer", action="store_true", help="shard Adam states over the DP group")
+    parser.add_argument(
+        "--kl-reference", action="store_true", help="count the KL reference model (bf16; kl_coef > 0)"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -68,7 +71,7 @@ def remedies(model: ModelConfig, plan: MemoryPlan) -> list[tuple[str, MemoryPlan
         fields = {
             k: getattr(current, k)
             for k in ("tokens", "param_dtype", "fp32_master", "dp_size", "shard_optimizer")
-            + ("recompute", "loss_chunk_tokens", "device_bytes")
+            + ("recompute", "loss_chunk_tokens", "device_bytes", "kl_reference")
         }
         fields.update(change)
         current = plan_memory(model, **fields)  # type: ignore[arg-type]
@@ -100,6 +103,7 @@ def max_tokens_that_fit(model: ModelConfig, plan: MemoryPlan) -> int:
             recompute=plan.recompute,
             loss_chunk_tokens=plan.loss_chunk_tokens,
             device_bytes=plan.device_bytes,
+            kl_reference=plan.kl_reference,
         ).fits
 
     while lo < hi:
@@ -126,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             recompute=args.recompute,
             loss_chunk_tokens=args.loss_chunk_tokens,
             device_bytes=int(args.device_gib * GIB),
+            kl_reference=args.kl_reference,
         )
     except (OSError, ValueError) as exc:
         print(f"gyre plan trainer: {exc}", file=sys.stderr)

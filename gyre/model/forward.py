@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from gyre.errors import InvalidArgument
 from gyre.model.attention import AttentionMask, TreeLayout
@@ -66,6 +67,29 @@ def _add_bias(out_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tenso
     return out if bias is None else out + bias
 
 
+def _layer(
+    layer: Any,
+    i: int,
+    x: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: AttentionMask,
+    kv_hook: KVHook | None,
+) -> torch.Tensor:
+    attn = layer.self_attention
+    q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(x))  # [S, B, heads, d]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, d]
+    if cos is not None and sin is not None:
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    if kv_hook is not None:
+        k, v = kv_hook(i, k, v)
+    ctx = attn.core_attention(
+        q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), mask, attn_mask_type=None
+    )
+    x = x + _add_bias(attn.linear_proj(ctx))
+    return x + _add_bias(layer.mlp(layer.pre_mlp_layernorm(x)))
+
+
 def hidden_states(
     model: Any,
     token_ids: torch.Tensor,
@@ -89,19 +113,14 @@ def hidden_states(
     cos = sin = None
     if cfg.position_embedding == "rope":
         cos, sin = rope_cos_sin(model, position_ids, x.dtype)
+    # activation recompute (the trainer's `recompute_granularity: full` sets gyre_recompute): only each
+    # layer's input is kept for backward, the layer is run again there
+    recompute = getattr(model, "gyre_recompute", False) and torch.is_grad_enabled()
     for i, layer in enumerate(model.decoder.layers):
-        attn = layer.self_attention
-        q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(x))  # [S, B, heads, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, heads, S, d]
-        if cos is not None and sin is not None:
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if kv_hook is not None:
-            k, v = kv_hook(i, k, v)
-        ctx = attn.core_attention(
-            q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), mask, attn_mask_type=None
-        )
-        x = x + _add_bias(attn.linear_proj(ctx))
-        x = x + _add_bias(layer.mlp(layer.pre_mlp_layernorm(x)))
+        if recompute:
+            x = checkpoint(_layer, layer, i, x, cos, sin, mask, kv_hook, use_reentrant=False)
+        else:
+            x = _layer(layer, i, x, cos, sin, mask, kv_hook)
     x = model.decoder.final_layernorm(x)
     return x.transpose(0, 1)
 

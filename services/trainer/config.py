@@ -134,6 +134,38 @@ class TrainerConfig(ConfigModel):
     dtype: str = Field(
         default="float32", pattern=r"^(float32|bfloat16|float64)$", description="Parameter dtype."
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="Compute precision. `fp32`: the model computes and is updated in `dtype` (plain AdamW). "
+        "`bf16`: the model computes in bfloat16 while AdamW updates an fp32 master copy of every parameter; "
+        "gradients accumulate and are all-reduced in fp32, and the bf16 weights are refreshed from the "
+        "masters after each step (needs dtype float32: the masters' dtype). Published weights are the "
+        "bf16 compute copy (services/trainer/sharded_optimizer.py).",
+    )
+    optimizer_sharding: Literal["none", "zero1"] = Field(
+        default="none",
+        description="`zero1`: each data-parallel rank keeps the AdamW moments (and fp32 masters) of its own "
+        "1/DP of the parameters, steps them and broadcasts the updated parameters; re-sharded exactly when "
+        "the group resizes. `none`: every rank holds the whole optimizer state.",
+    )
+    reference_precision: Literal["bf16", "same"] = Field(
+        default="bf16",
+        description="The KL reference model (built only when kl_coef > 0): `bf16` holds it in bfloat16 "
+        "(half the bytes of fp32; its log-probs are computed in fp32), `same` in the model's dtype.",
+    )
+    recompute_granularity: Literal["none", "full"] = Field(
+        default="none",
+        description="Activation recompute: `full` keeps only each transformer layer's input for backward and "
+        "recomputes the layer's activations there (torch.utils.checkpoint per layer); same loss and "
+        "gradients, less activation memory, about one more forward of compute. `none` keeps them all.",
+    )
+    rendezvous: str | None = Field(
+        default=None,
+        pattern=r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}$",
+        description="'host:port' of the c10d TCPStore where the data-parallel ranks meet (rank 0 hosts it, "
+        "workers connect to it). None: torchrun's MASTER_ADDR/MASTER_PORT when both are set, else "
+        "127.0.0.1 on a free port (embedded runs; every rank on this host).",
+    )
     streaming: bool = Field(
         default=False,
         description="Stream each step: train it in parts (>= one scored group each, whole trees) pulled as "
@@ -167,6 +199,15 @@ class TrainerConfig(ConfigModel):
                 f"trainer.keep_weight_versions {self.keep_weight_versions} would delete weight versions "
                 f"the staleness bound can still use: keep at least max_staleness + 1 = "
                 f"{self.max_staleness + 1}, or unset it (max_staleness + 2), or 0 to keep every version"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _bf16_masters_are_fp32(self) -> TrainerConfig:
+        if self.precision == "bf16" and self.dtype != "float32":
+            raise ValueError(
+                f"trainer.precision bf16 keeps fp32 master weights, so trainer.dtype must be float32 (the "
+                f"masters' dtype), not {self.dtype}; for pure {self.dtype} training set precision to fp32"
             )
         return self
 

@@ -41,28 +41,36 @@ import hashlib
 import logging
 import multiprocessing
 import pickle
+import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from services.trainer.batch import PackedBatch
+from services.trainer.collectives import flat_by_dtype, unflatten_into
+from services.trainer.dist_checkpoint import save_shard
+from services.trainer.rendezvous import LOCAL_HOST, gloo_device, host_store, join_store
+from services.trainer.sharded_optimizer import MasterAdamW
 
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting longer than this raises (a dead or stuck rank)
-STORE_HOST = "127.0.0.1"  # workers are local processes of this host
 
 
 # --- state sync and collectives (used by every rank) -------------------------------------------
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's state tensors in a fixed order (param group, parameter, sorted key)."""
+def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The optimizer's state tensors in a fixed order (param group, parameter, sorted key); a
+    MasterAdamW's are the entries this rank holds (its shard when sharded)."""
+    if isinstance(optimizer, MasterAdamW):
+        return [e[k] for _, e in sorted(optimizer.entries().items()) for k in sorted(e)]
     out: list[torch.Tensor] = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -99,61 +107,78 @@ def load_skeleton(optimizer: torch.optim.Optimizer, skeleton: dict[str, Any]) ->
     optimizer.load_state_dict({"state": state, "param_groups": skeleton["param_groups"]})
 
 
-def _flat_by_dtype(tensors: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    for members in groups.values():
-        yield torch.cat([t.detach().reshape(-1) for t in members]), members
-
-
-def _unflatten_into(flat: torch.Tensor, members: list[torch.Tensor]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for t in members:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
-
-
 def broadcast_from_rank0(pg: Any, tensors: list[torch.Tensor]) -> None:
     """Overwrite `tensors` on every rank with rank 0's values (one broadcast per dtype)."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
-    for flat, members in _flat_by_dtype(tensors):
+    for flat, members in flat_by_dtype(tensors):
         pg.broadcast([flat], opts).wait()
-        _unflatten_into(flat, members)
+        unflatten_into(flat, members)
 
 
-def sync_replica(pg: Any, model: Any, optimizer: torch.optim.Optimizer, ref_model: Any | None) -> None:
-    """Make this replica equal rank 0's: parameters, reference parameters, optimizer state."""
-    tensors = list(model.parameters()) + optimizer_tensors(optimizer)
+def sync_replica(
+    pg: Any,
+    rank: int,
+    model: Any,
+    optimizer: Any,
+    ref_model: Any | None,
+    layout: dict[str, Any] | None = None,
+) -> None:
+    """Make this replica equal rank 0's: parameters, reference parameters, optimizer state. A
+    MasterAdamW's state goes out as `MasterAdamW.send_state` says (each rank its shard when
+    sharded); `layout` is rank 0's `MasterAdamW.layout()` on the receiving ranks."""
+    tensors = list(model.parameters())
+    if not isinstance(optimizer, MasterAdamW):
+        tensors += optimizer_tensors(optimizer)
     if ref_model is not None:
         tensors += list(ref_model.parameters())
     broadcast_from_rank0(pg, tensors)
+    if isinstance(optimizer, MasterAdamW):
+        if rank == 0:
+            optimizer.send_state()
+        else:
+            optimizer.receive_state(layout or {"template": {}})
 
 
-def allreduce_gradients(pg: Any, model: Any) -> None:
-    """Sum every parameter's gradient over the group (a missing gradient counts as zeros)."""
+def gradient_tensors(model: Any, optimizer: Any) -> list[torch.Tensor]:
+    """The gradients a step uses, in parameter order: a MasterAdamW's (fp32 main gradients with
+    masters), else every trainable parameter's own (a missing one allocated as zeros)."""
+    if isinstance(optimizer, MasterAdamW):
+        return optimizer.gradients()
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    for flat, members in _flat_by_dtype([p.grad for p in params]):
+    return [p.grad for p in params if p.grad is not None]
+
+
+def allreduce_gradients(pg: Any, model: Any, optimizer: Any = None) -> None:
+    """Sum every gradient of `gradient_tensors` over the group (a missing gradient counts as zeros)."""
+    for flat, members in flat_by_dtype(gradient_tensors(model, optimizer)):
         pg.allreduce([flat]).wait()
-        _unflatten_into(flat, members)
+        unflatten_into(flat, members)
 
 
-def replica_digest(model: Any, optimizer: torch.optim.Optimizer) -> str:
-    """sha256 over the parameters and optimizer state (bitwise identity of replicas)."""
+def replica_digest(model: Any, optimizer: Any) -> str:
+    """sha256 over the parameters and optimizer state (bitwise identity of replicas); with a sharded
+    optimizer, over the parameters only (each rank holds a different shard of the state)."""
     h = hashlib.sha256()
-    for t in list(model.parameters()) + optimizer_tensors(optimizer):
+    sharded = isinstance(optimizer, MasterAdamW) and optimizer.sharded
+    for t in list(model.parameters()) + ([] if sharded else optimizer_tensors(optimizer)):
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def make_process_group(store: Any, generation: int, rank: int, size: int, backend: str) -> Any:
-    """A process group of generation `generation` (blocks until all `size` ranks have joined)."""
+def state_bytes(optimizer: Any) -> int:
+    """Bytes of the optimizer state this rank holds (MasterAdamW: masters included)."""
+    return sum(t.numel() * t.element_size() for t in optimizer_tensors(optimizer))
+
+
+def make_process_group(
+    store: Any, generation: int, rank: int, size: int, backend: str, host: str = LOCAL_HOST
+) -> Any:
+    """A process group of generation `generation` (blocks until all `size` ranks have joined); gloo's
+    transport on `host` (rendezvous.gloo_device)."""
     prefixed = dist.PrefixStore(f"gyre-dp/{generation}", store)
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if backend == "nccl":  # scripts/gpu_check.sh runs this path on a GPU host
@@ -161,7 +186,7 @@ def make_process_group(store: Any, generation: int, rank: int, size: int, backen
         nccl_options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, size, nccl_options)  # type: ignore[attr-defined]
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=STORE_HOST)]
+    options._devices = [gloo_device(host)]
     options._timeout = timeout
     return dist.ProcessGroupGloo(prefixed, rank, size, options)
 
@@ -217,15 +242,21 @@ class ResizableDPGroup:
     def __init__(
         self,
         model: Any,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         ref_model: Any | None,
         spec_of: Callable[[str], ReplicaSpec],
         move_rank0: Callable[[str | None], None] = lambda device_id: None,
+        rendezvous: tuple[str, int] = (LOCAL_HOST, 0),
     ) -> None:
         """`spec_of(device_id)` -> the ReplicaSpec of a worker on that device; `move_rank0(device_id)`
-        puts rank 0's replica on that device (None: park it off every leased device)."""
+        puts rank 0's replica on that device (None: park it off every leased device); `rendezvous`
+        is the (host, port) of the store rank 0 hosts (rendezvous.store_address; port 0 = free)."""
         self.model, self.optimizer, self.ref_model = model, optimizer, ref_model
         self.spec_of, self.move_rank0 = spec_of, move_rank0
+        self.rendezvous = rendezvous
+        # apply (a boundary outside the step, or wait_devices_applied) and a checkpoint's shard writing
+        # (SaveCheckpoint, stop) may run in two threads; both talk to the workers over their pipes
+        self.pipes_lock = threading.RLock()
         self.store: Any = None
         self.ctx = multiprocessing.get_context("spawn")
         self.home: str | None = None  # rank 0's device
@@ -261,7 +292,12 @@ class ResizableDPGroup:
         Leaving happens at once (leavers have exited on return). Joining takes workers that are
         ready; with `wait`, it first waits until every missing worker is ready.
         """
+        with self.pipes_lock:
+            return self._apply(wait)
+
+    def _apply(self, wait: bool) -> bool:
         wanted = set(self.wanted)
+        gathered = self._gather_if_resizing(wait)
         changed = False
         for w in [w for w in self.members + self.booting if w.device_id not in wanted]:
             self._retire(w)
@@ -287,18 +323,53 @@ class ResizableDPGroup:
             changed = True
         if changed:
             self._new_generation()
+        elif gathered and isinstance(self.optimizer, MasterAdamW):  # nothing moved: back to the old shard
+            self.optimizer.set_group(self.pg, 0, self.size)
+            self.optimizer.keep_own()
         return changed
+
+    def _gather_if_resizing(self, wait: bool) -> bool:
+        """Before the group may change: with a sharded optimizer, copy every rank's shard to rank 0
+        (the new group's shards are cut from rank 0's whole state). Conservative: True when it
+        gathered, which happens whenever a rank may leave or join in this `apply`."""
+        if not (isinstance(self.optimizer, MasterAdamW) and self.optimizer.sharded and self.pg is not None):
+            return False
+        wanted = set(self.wanted)
+        leaving = self.home not in wanted or any(w.device_id not in wanted for w in self.members)
+        have = {w.device_id for w in self.members + self.booting} | {self.home}
+        joining = any(w.poll_ready() for w in self.booting if w.device_id in wanted) or (
+            wait and (bool(self.booting) or bool(wanted - have))
+        )
+        if not (leaving or joining):
+            return False
+        for w in self.members:
+            w.conn.send(("gather",))
+        self.optimizer.receive_shards()
+        for w in self.members:
+            _expect(w, "gathered")
+        return True
+
+    def gather_optimizer(self) -> None:
+        """Rank 0 holds every optimizer entry until `release_optimizer` (a checkpoint of a sharded
+        optimizer is written from it); a no-op for an optimizer that is not sharded."""
+        if not (isinstance(self.optimizer, MasterAdamW) and self.optimizer.sharded and self.pg is not None):
+            return
+        size = self.size
+        for w in self.members:
+            w.conn.send(("gather",))
+        self.optimizer.receive_shards()
+        for w in self.members:
+            _expect(w, "gathered")
+        self.optimizer.set_group(self.pg, 0, size)
+
+    def release_optimizer(self) -> None:
+        """Rank 0 keeps only its own shard again (after `gather_optimizer`)."""
+        if isinstance(self.optimizer, MasterAdamW) and self.optimizer.sharded and self.pg is not None:
+            self.optimizer.keep_own()
 
     def _start(self, device_id: str) -> _Worker:
         if self.store is None:
-            self.store = dist.TCPStore(
-                STORE_HOST,
-                0,
-                None,
-                True,
-                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                wait_for_workers=False,
-            )
+            self.store = host_store(*self.rendezvous, COLLECTIVE_TIMEOUT_S)
         spec = self.spec_of(device_id)
         self.backend = spec.backend
         if spec.device == "cpu" and self.spares:
@@ -309,7 +380,7 @@ class ResizableDPGroup:
             return worker
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(
-            target=worker_main, args=(child, STORE_HOST, self.store.port, spec), daemon=True
+            target=worker_main, args=(child, self.rendezvous[0], self.store.port, spec), daemon=True
         )
         proc.start()
         child.close()
@@ -343,14 +414,21 @@ class ResizableDPGroup:
     def _new_generation(self) -> None:
         self.generation += 1
         self.pg = None
+        master = isinstance(self.optimizer, MasterAdamW)
+        if master:
+            self.optimizer.set_group(None, 0, 1)
         if self.size <= 1:
             log.info("data-parallel group generation %d: size %d", self.generation, self.size)
             return
-        skeleton = optimizer_skeleton(self.optimizer)
+        skeleton = self.optimizer.layout() if master else optimizer_skeleton(self.optimizer)
         for rank, w in enumerate(self.members, start=1):
             w.conn.send(("join", self.generation, rank, self.size, skeleton))
-        self.pg = make_process_group(self.store, self.generation, 0, self.size, self.backend)
-        sync_replica(self.pg, self.model, self.optimizer, self.ref_model)
+        self.pg = make_process_group(
+            self.store, self.generation, 0, self.size, self.backend, self.rendezvous[0]
+        )
+        if master:
+            self.optimizer.set_group(self.pg, 0, self.size)
+        sync_replica(self.pg, 0, self.model, self.optimizer, self.ref_model)
         for w in self.members:
             _expect(w, "joined")
         log.info(
@@ -370,7 +448,7 @@ class ResizableDPGroup:
 
     def reduce_gradients(self, model: Any) -> None:
         if self.pg is not None:
-            allreduce_gradients(self.pg, model)
+            allreduce_gradients(self.pg, model, self.optimizer)
 
     def gather_metrics(self) -> list[dict[str, float]]:
         """The other ranks' metrics of the micro-batch (waits until each finished it)."""
@@ -390,6 +468,24 @@ class ResizableDPGroup:
         for w in self.members:
             w.conn.send(("digest",))
         return [replica_digest(self.model, self.optimizer)] + [_expect(w, "digest") for w in self.members]
+
+    def save_optimizer(self, directory: Path) -> None:
+        """Every rank writes its optimizer shard under `directory` at once (dist_checkpoint.py)."""
+        with self.pipes_lock:
+            self._save_optimizer(directory)
+
+    def _save_optimizer(self, directory: Path) -> None:
+        for w in self.members:
+            w.conn.send(("save_optimizer", str(directory)))
+        save_shard(directory, 0, self.model, self.optimizer)
+        for w in self.members:
+            _expect(w, "saved")
+
+    def state_bytes(self) -> list[int]:
+        """Bytes of optimizer state (with masters) that each rank holds, in rank order."""
+        for w in self.members:
+            w.conn.send(("state_bytes",))
+        return [state_bytes(self.optimizer)] + [_expect(w, "state_bytes") for w in self.members]
 
     def worker_pids(self) -> list[int]:
         return [w.process.pid or 0 for w in self.members]
@@ -413,18 +509,23 @@ def worker_main(conn: Connection, store_host: str, store_port: int, spec: Replic
     """Build a replica, then serve rank 0's commands until told to leave or the pipe closes."""
     try:
         from services.trainer.config import TrainerConfig
-        from services.trainer.step import backward_micro, build_replica, finish_step, shard_loss_settings
+        from services.trainer.step import (
+            backward_micro,
+            build_replica,
+            finish_step,
+            loss_dtype,
+            shard_loss_settings,
+        )
 
         cfg = TrainerConfig.model_validate_json(spec.trainer_config_json)
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(spec.device))
         model, optimizer, ref_model, settings = build_replica(cfg, spec.device)
         settings = shard_loss_settings(settings)  # the step's weights arrive normalised
-        store = dist.TCPStore(
-            store_host, store_port, None, False, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        )
+        store = join_store(store_host, store_port, COLLECTIVE_TIMEOUT_S)
         conn.send(("ready",))
         pg: Any = None
+        rank = 0  # set by "join"
         while True:
             try:
                 msg = conn.recv()
@@ -432,22 +533,36 @@ def worker_main(conn: Connection, store_host: str, store_port: int, spec: Replic
                 return  # rank 0 is gone
             if msg[0] == "join":
                 _, generation, rank, size, skeleton = msg
-                load_skeleton(optimizer, skeleton)
-                pg = make_process_group(store, generation, rank, size, spec.backend)
-                sync_replica(pg, model, optimizer, ref_model)
+                master = isinstance(optimizer, MasterAdamW)
+                if not master:
+                    load_skeleton(optimizer, skeleton)
+                pg = make_process_group(store, generation, rank, size, spec.backend, store_host)
+                if master:
+                    optimizer.set_group(pg, rank, size)
+                sync_replica(pg, rank, model, optimizer, ref_model, skeleton if master else None)
                 conn.send(("joined",))
+            elif msg[0] == "gather":  # a sharded optimizer's state goes to rank 0 (a resize or checkpoint)
+                if isinstance(optimizer, MasterAdamW):
+                    optimizer.send_shard_to_rank0()
+                conn.send(("gathered",))
             elif msg[0] == "micro":
                 shard: PackedBatch = pickle.loads(msg[1])
                 param = next(model.parameters())
                 optimizer.zero_grad(set_to_none=False)  # rank 0 alone carries the step's sum so far
-                metrics = backward_micro(model, shard.to(param.device, param.dtype), settings, ref_model)
-                allreduce_gradients(pg, model)
+                shard = shard.to(param.device, loss_dtype(model, optimizer))
+                metrics = backward_micro(model, shard, settings, ref_model)
+                allreduce_gradients(pg, model, optimizer)
                 conn.send(("metrics", metrics))
             elif msg[0] == "finish":
                 finish_step(model, optimizer, cfg.grad_clip)
                 conn.send(("finished",))
             elif msg[0] == "digest":
                 conn.send(("digest", replica_digest(model, optimizer)))
+            elif msg[0] == "save_optimizer":
+                save_shard(Path(msg[1]), rank, model, optimizer)
+                conn.send(("saved",))
+            elif msg[0] == "state_bytes":
+                conn.send(("state_bytes", state_bytes(optimizer)))
             elif msg[0] == "leave":
                 return
     except BaseException:

@@ -51,6 +51,8 @@ from services.trainer.checkpoint import CheckpointStore, Journal, TrainState
 from services.trainer.config import TrainerConfig
 from services.trainer.data import BatchSource, PartSource
 from services.trainer.dp_group import ReplicaSpec, ResizableDPGroup
+from services.trainer.rendezvous import store_address
+from services.trainer.sharded_optimizer import MasterAdamW
 from services.trainer.step import (
     DTYPES,
     backward_micro,
@@ -90,7 +92,12 @@ class Trainer:
         self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
         self.device_index: dict[str, int] = {}  # leased device -> its index on its node (cuda:N)
         self.dp = ResizableDPGroup(
-            self.model, self.optimizer, self.ref_model, self.replica_spec, self.move_rank0
+            self.model,
+            self.optimizer,
+            self.ref_model,
+            self.replica_spec,
+            self.move_rank0,
+            rendezvous=store_address(cfg.rendezvous),
         )
         self.dp.request_devices([STANDALONE_DEVICE])
         self.dp.apply()
@@ -165,6 +172,9 @@ class Trainer:
         for module in (self.model, self.ref_model):
             if module is not None:
                 module.to(target)
+        if isinstance(self.optimizer, MasterAdamW):
+            self.optimizer.to(target)
+            return
         for state in self.optimizer.state.values():
             for k, v in state.items():
                 if torch.is_tensor(v) and v.dim() > 0:
@@ -330,9 +340,12 @@ class Trainer:
         dtype = DTYPES[self.cfg.dtype]
         if grad_factor != 1.0:
             with torch.no_grad():
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(grad_factor)
+                if isinstance(self.optimizer, MasterAdamW):
+                    grads = self.optimizer.gradients()
+                else:  # a missing gradient stays missing (a lone rank's AdamW skips it)
+                    grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                for g in grads:
+                    g.mul_(grad_factor)
         if weight_factor != 1.0:  # scaled in the training dtype, before the shards go out
             micro = micro.to("cpu", dtype).scaled(weight_factor)
         shard = self.dp.scatter(micro).to(param.device, dtype)
@@ -373,7 +386,9 @@ class Trainer:
         await asyncio.to_thread(prune_versions, weights_dir, self.state.version, keep)
 
     def save_checkpoint(self) -> Path | None:
-        return self.store.save(self.model, self.optimizer, self.state)
+        """Rank 0 writes the model and state; with a MasterAdamW every rank writes its optimizer shard."""
+        writer = self.dp.save_optimizer if isinstance(self.optimizer, MasterAdamW) else None
+        return self.store.save(self.model, self.optimizer, self.state, writer)
 
     async def ack_covered(self) -> None:
         """Ack every journaled batch the newest checkpoint covers, then forget it."""

@@ -15,10 +15,15 @@ Parameter count N:
     + final norm h (x2 for LayerNorm).
 
 State:
-    params    = N * p
-    grads     = N * p                                (autograd grads in the parameter dtype)
+    params    = N * p                                (the compute copy)
+    grads     = N * 4 with bf16 params and fp32_master (the trainer's MasterAdamW accumulates fp32
+                main gradients and frees each bf16 gradient as it is folded in), else N * p
     optimizer = Adam: 2 fp32 moments 8*N, + fp32 master copy 4*N when p = bf16 and fp32_master;
-                divided by dp_size when shard_optimizer (ZeRO-1: each rank keeps 1/dp of the states)
+                divided by dp_size when shard_optimizer (ZeRO-1, services/trainer/sharded_optimizer.py:
+                whole parameters are assigned to ranks largest first, so a rank may hold up to one
+                parameter's share more than 1/dp)
+    reference = N * 2 with kl_reference (the KL reference model, held in bf16: trainer.kl_coef > 0
+                with reference_precision bf16), else 0
 
 Activations kept for backward, per token per layer (our attention is flash/flex: no T^2 score matrix,
 so Megatron's s*b*h*(34 + 5*a*s/h) loses its 5*a*s/h term; the rest is recounted for RMSNorm,
@@ -38,11 +43,11 @@ tokens it works on: about three V-wide fp32 rows per token):
     chunked: min(C, T) * V * 4 * 3          full: T * V * 4 * 3
     plus the final norm's input and output T * h * p * 2.
 
-total = params + grads + optimizer + activations + loss; fits = total <= device_bytes.
+total = params + grads + optimizer + reference + activations + loss; fits = total <= device_bytes.
 
 NOT counted: allocator fragmentation and caching slack (often 5-20%), the CUDA context and kernel
 workspaces (cuBLAS, flash attention), NCCL communication buckets, gradient all-reduce buffers,
-temporaries of one op (e.g. a matmul output freed before the next), the reference model of a KL term,
+temporaries of one op (e.g. a matmul output freed before the next),
 token ids / targets / advantages, and pipeline or tensor parallelism (not modelled: one replica holds
 the whole model).
 """
@@ -122,10 +127,12 @@ class MemoryPlan:
     shard_optimizer: bool
     recompute: bool
     loss_chunk_tokens: int | None
+    reference: int = 0
+    kl_reference: bool = False
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.loss
+        return self.params + self.grads + self.optimizer + self.reference + self.activations + self.loss
 
     @property
     def fits(self) -> bool:
@@ -137,6 +144,7 @@ class MemoryPlan:
             ("params", self.params),
             ("grads", self.grads),
             ("optimizer", self.optimizer),
+            ("reference", self.reference),
             ("activations", self.activations),
             ("loss", self.loss),
             ("total", self.total),
@@ -159,6 +167,7 @@ def plan_memory(
     recompute: bool,
     loss_chunk_tokens: int | None,
     device_bytes: int,
+    kl_reference: bool = False,
 ) -> MemoryPlan:
     """Memory of one trainer replica training `tokens` tokens per micro-batch (module docstring)."""
     if param_dtype not in DTYPE_BYTES:
@@ -184,7 +193,7 @@ def plan_memory(
     return MemoryPlan(
         parameter_count=n,
         params=n * p,
-        grads=n * p,
+        grads=n * (4 if p == 2 and fp32_master else p),
         optimizer=states,
         activations=activations,
         loss=loss,
@@ -196,4 +205,6 @@ def plan_memory(
         shard_optimizer=shard_optimizer,
         recompute=recompute,
         loss_chunk_tokens=loss_chunk_tokens,
+        reference=2 * n if kl_reference else 0,
+        kl_reference=kl_reference,
     )
