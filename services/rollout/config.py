@@ -96,8 +96,9 @@ class HarnessConfig(ConfigModel):
         ge=0,
         description=(
             "External harness: CPU-time limit (RLIMIT_CPU, seconds) of the agent and of every process it "
-            "starts, each on its own. Unset: `timeout_s` rounded up (one core busy for the whole wall "
-            "clock; not set when timeout_s is 0). 0: not set."
+            "starts, each on its own. Unset: the larger of 3600 and `timeout_s` rounded up (a process "
+            "keeping one core busy for the whole wall clock never reaches it; not set when timeout_s "
+            "is 0). 0: not set."
         ),
     )
     max_output_bytes: int = Field(
@@ -117,7 +118,7 @@ class HarnessConfig(ConfigModel):
         """RLIMIT_CPU of the agent's processes in seconds; 0 = not set (see `cpu_s`)."""
         if self.cpu_s is not None:
             return self.cpu_s
-        return math.ceil(self.timeout_s)
+        return max(3600, math.ceil(self.timeout_s)) if self.timeout_s > 0 else 0
 
 
 class OpenAIConfig(ConfigModel):

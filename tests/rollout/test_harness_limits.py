@@ -33,7 +33,8 @@ def test_harness_limits_default_to_hours_and_the_cpu_limit_follows_the_wall_cloc
     assert cfg.harness.timeout_s == 4 * 3600
     assert cfg.harness.memory_bytes == 16 << 30
     assert cfg.harness.cpu_s is None and cfg.harness.cpu_limit_s() == 4 * 3600
-    assert external(timeout_s=90.5).cpu_limit_s() == 91  # rounded up: never below the wall clock
+    assert external(timeout_s=5 * 3600 + 0.5).cpu_limit_s() == 5 * 3600 + 1  # never below the wall clock
+    assert external(timeout_s=120).cpu_limit_s() == 3600  # short runs keep an hour of CPU
     assert external(timeout_s=0).cpu_limit_s() == 0  # no wall-clock limit: no CPU limit either
     assert external(timeout_s=600, cpu_s=30).cpu_limit_s() == 30
     assert external(timeout_s=600, cpu_s=0).cpu_limit_s() == 0
