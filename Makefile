@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv browser run run-byo run-hf test test-fast lint typecheck unit proto bench bench-elastic sim docs-numbers clean
+.PHONY: help venv browser run run-byo run-swe run-hf test test-fast lint typecheck unit proto bench bench-elastic sim docs-numbers clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
@@ -27,6 +27,9 @@ run: $(STAMP) ## run the quickstart training job (embedded NATS and Postgres, CP
 
 run-byo: $(STAMP) ## train the example agent of examples/byo_agent (an unmodified openai-client agent)
 	$(BIN)/gyre run examples/byo_agent/config.yaml
+
+run-swe: $(STAMP) ## train mini-swe-agent (PyPI, unmodified) on the workspace tasks of examples/mini_swe_agent
+	$(BIN)/gyre run examples/mini_swe_agent/config.yaml
 
 run-hf: $(STAMP) ## train a tiny HF Qwen2 checkpoint with its own tokenizer (written if missing) with examples/hf_model.yaml
 	test -f checkpoints/tiny-qwen2/tokenizer.json || $(BIN)/python -m services.trainer.hf tiny-qwen2 checkpoints/tiny-qwen2

@@ -1,9 +1,9 @@
 """The external agent as a process: launched as its sandbox user, bounded, and never outlived.
 
 `run_agent` starts the agent's argv in its own session and process group with rlimits
-(`RLIMIT_AS`, `RLIMIT_CPU`, `RLIMIT_NOFILE`, and `RLIMIT_NPROC` where the uid is the agent's own),
-writes the task JSON to its stdin, keeps the tails of stdout and stderr, and waits at most
-`timeout_s` seconds (then SIGTERM to the group, SIGKILL `kill_grace_s` seconds later). When the
+(`RLIMIT_AS`, `RLIMIT_CPU`, `RLIMIT_NOFILE`, and `RLIMIT_NPROC` where the uid is the agent's own;
+an AS or CPU limit of 0 is not set), writes the task JSON to its stdin, keeps the tails of stdout
+and stderr, and waits at most `timeout_s` seconds (0: no limit; then SIGTERM to the group, SIGKILL `kill_grace_s` seconds later). When the
 agent's first process is gone every process of its group and of its sandbox user is SIGKILLed
 before `run_agent` returns, so nothing it started outlives the execution.
 
@@ -32,10 +32,10 @@ class HarnessSettings:
     """Limits of one agent run (rollout.harness in services/rollout/config.py for the configured ones)."""
 
     command: list[str]  # the agent's argv as configured ({python} and relative files not resolved yet)
-    timeout_s: float = 600.0  # wall-clock seconds before the agent's group gets SIGTERM
+    timeout_s: float = 14400.0  # wall-clock seconds before the agent's group gets SIGTERM; 0 = no limit
     kill_grace_s: float = 2.0  # seconds between that SIGTERM and SIGKILL
-    memory_bytes: int = 4 << 30  # RLIMIT_AS of each agent process (bytes)
-    cpu_s: int = 3600  # RLIMIT_CPU of each agent process (seconds)
+    memory_bytes: int = 16 << 30  # RLIMIT_AS of each agent process (bytes); 0 = not set (inherited)
+    cpu_s: int = 14400  # RLIMIT_CPU of each agent process (seconds); 0 = not set (inherited)
     max_open_files: int = 1024  # RLIMIT_NOFILE
     max_processes: int = 256  # RLIMIT_NPROC, set only where the agent has a uid of its own
     max_output_bytes: int = 65536  # tail of stdout and of stderr kept (bytes each)
@@ -59,10 +59,13 @@ class AgentRun:
 def _limit_agent(settings: HarnessSettings, uid: int | None) -> None:
     """In the child between fork and exec: rlimits (the new session comes from start_new_session).
 
-    RLIMIT_NPROC counts per real uid, so it is set only where the uid is the agent's own.
+    RLIMIT_NPROC counts per real uid, so it is set only where the uid is the agent's own. A limit of 0
+    is not set: the agent inherits the service's own (an hours-long agent may need no AS/CPU cap).
     """
-    resource.setrlimit(resource.RLIMIT_AS, (settings.memory_bytes, settings.memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (settings.cpu_s, settings.cpu_s))
+    if settings.memory_bytes:
+        resource.setrlimit(resource.RLIMIT_AS, (settings.memory_bytes, settings.memory_bytes))
+    if settings.cpu_s:
+        resource.setrlimit(resource.RLIMIT_CPU, (settings.cpu_s, settings.cpu_s))
     resource.setrlimit(resource.RLIMIT_NOFILE, (settings.max_open_files, settings.max_open_files))
     if uid is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (settings.max_processes, settings.max_processes))
@@ -126,7 +129,7 @@ async def run_agent(
 ) -> AgentRun:
     """Run the agent once as `user`: own session and process group, rlimits, stdin = the task.
 
-    Bounded by `timeout_s`: then its group gets SIGTERM, and SIGKILL after `kill_grace_s`. When the
+    Bounded by `timeout_s` (0: unbounded): then its group gets SIGTERM, and SIGKILL after `kill_grace_s`. When the
     agent's first process is gone (exit or kill), every process of its group and of its sandbox user
     (its uid, or its GYRE_SANDBOX marker) is SIGKILLed before this returns, so nothing it started -
     not even a `setsid` daemon holding its output pipe - outlives the execution.
@@ -152,7 +155,7 @@ async def run_agent(
     except (BrokenPipeError, ConnectionResetError):
         pass  # an agent that does not read its stdin
     # Poll the exit status: proc.wait() would also wait for pipes a leftover child may hold (3.11).
-    deadline = started + settings.timeout_s
+    deadline = started + settings.timeout_s if settings.timeout_s > 0 else float("inf")
     while proc.returncode is None and time.monotonic() < deadline:  # noqa: ASYNC110 - no exit event
         await asyncio.sleep(0.05)
     timed_out = proc.returncode is None

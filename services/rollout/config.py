@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -29,8 +30,15 @@ _MOVED_OPENAI_KEYS = {
 }
 
 
+HOURS_4_S = 4 * 3600.0
+
+
 class HarnessConfig(ConfigModel):
-    """Who drives an execution (`rollout.harness`), and the limits of an external agent process."""
+    """Who drives an execution (`rollout.harness`), and the limits of an external agent process.
+
+    The limits are sized for executions of hours (docs/rollout.md, "Limits for long executions"):
+    0 turns a limit off, and the CPU limit follows the wall-clock one unless it is set.
+    """
 
     kind: Literal["builtin", "external"] = Field(
         "builtin",
@@ -65,15 +73,52 @@ class HarnessConfig(ConfigModel):
         ),
     )
     timeout_s: float = Field(
-        600.0, gt=0, description="External harness: wall-clock seconds per agent run before it is killed."
+        HOURS_4_S,
+        ge=0,
+        description=(
+            "External harness: wall-clock seconds per agent run before its process group is killed (the "
+            "execution is then TRUNCATED and scored from its progress). The default, 4 h, suits hours-long "
+            "agents; 0: no limit (the agent ends only by itself or with the rollout)."
+        ),
     )
     memory_bytes: int = Field(
-        4 << 30, ge=1 << 26, description="External harness: address-space limit of the agent process (bytes)."
+        16 << 30,
+        ge=0,
+        description=(
+            "External harness: address-space limit (RLIMIT_AS, bytes) of the agent and of every process it "
+            "starts, each on its own. It caps reserved virtual memory, not resident memory: runtimes such "
+            "as Node.js or the JVM reserve far more than they use. 0: not set (the service's own limit is "
+            "inherited; bound memory with a container / cgroup limit instead). Else at least 64 MiB."
+        ),
     )
-    cpu_s: int = Field(3600, ge=1, description="External harness: CPU-time limit of the agent (seconds).")
+    cpu_s: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "External harness: CPU-time limit (RLIMIT_CPU, seconds) of the agent and of every process it "
+            "starts, each on its own. Unset: the larger of 3600 and `timeout_s` rounded up (a process "
+            "keeping one core busy for the whole wall clock never reaches it; not set when timeout_s "
+            "is 0). 0: not set."
+        ),
+    )
     max_output_bytes: int = Field(
         65536, ge=1024, description="External harness: stdout/stderr kept per agent run (tail, bytes)."
     )
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> HarnessConfig:
+        if 0 < self.memory_bytes < 1 << 26:
+            raise ValueError(
+                f"harness.memory_bytes {self.memory_bytes} is below 64 MiB (67108864), too little to start "
+                "an interpreter: raise it, or set 0 for no address-space limit"
+            )
+        return self
+
+    def cpu_limit_s(self) -> int:
+        """RLIMIT_CPU of the agent's processes in seconds; 0 = not set (see `cpu_s`)."""
+        if self.cpu_s is not None:
+            return self.cpu_s
+        return max(3600, math.ceil(self.timeout_s)) if self.timeout_s > 0 else 0
 
 
 class OpenAIConfig(ConfigModel):

@@ -336,7 +336,7 @@ def build_external_harness(
         command=list(cfg.command),
         timeout_s=cfg.timeout_s,
         memory_bytes=cfg.memory_bytes,
-        cpu_s=cfg.cpu_s,
+        cpu_s=cfg.cpu_limit_s(),
         max_output_bytes=cfg.max_output_bytes,
         reward=cfg.reward,
     )
