@@ -144,3 +144,56 @@ def test_a_job_whose_rollout_is_killed_restarts_it_and_completes_losing_nothing(
     assert "executions_started" in stats["rollout"]  # the rollout's counters, read before it stopped
     report = (tmp_path / "run" / "report.md").read_text()
     assert re.search(r"Services restarted by the supervisor: .*rollout [1-9]\d*x", report), report[-2000:]
+
+
+def test_executions_live_at_an_engine_kill_must_finish_and_one_that_fails_or_never_ends_is_lost() -> None:
+    from app.chaos import engine_kill_fates
+
+    kill = 10.0
+    events = [
+        _ex("before", "KIND_STARTED", 1), _ex("before", "KIND_FINISHED", 5),
+        _ex("lived", "KIND_STARTED", 2), _ex("lived", "KIND_TRUNCATED", 20),
+        _ex("failed", "KIND_STARTED", 3), _ex("failed", "KIND_FAILED", 12),
+        _ex("stuck", "KIND_STARTED", 4),
+        _ex("after", "KIND_STARTED", 11), _ex("after", "KIND_FAILED", 15),
+    ]  # fmt: skip
+    assert engine_kill_fates(events, [kill]) == {"lived": "finished", "failed": "failed", "stuck": "unended"}
+    assert engine_kill_fates(events, []) == {}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_job_on_a_nats_cluster_survives_an_engine_kill_and_the_loss_of_the_steps_stream_leader(
+    tmp_path: Path,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.chaos", "examples/quickstart.yaml", "--json", "--steps", "6"]
+        + ["--targets", "engine,nats-node", "--run-dir", str(tmp_path / "run")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert proc.stdout.strip(), proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    engine, node = result["faults"]
+    assert engine["target"] == "engine" and engine["recovered"], engine
+    assert engine["detail"]["rollout_died"] is False and engine["detail"]["engine_restarts"] == 1
+    assert engine["detail"]["engine_killed"] not in engine["detail"]["engines_after"]  # a fresh one serves
+    assert engine["restarts"] == []  # no process was restarted: the rollout lived
+    assert result["engine_kill_executions_live"] > 0, result  # the kill waited for a busy engine
+    assert result["engine_kill_executions_lost"] == 0
+    assert result["engine_kill_executions_finished"] == result["engine_kill_executions_live"]
+    assert node["target"] == "nats-node" and node["recovered"], node
+    assert node["detail"]["node"] == f"nats-{node['detail']['steps_stream_leader']}"  # the leader died
+    assert node["restarts"] == [node["detail"]["node"]]
+    assert result["nats_cluster_size"] == 3
+    assert result["nats_replicas_agree"] is True  # every node holds every step, the killed one too
+    assert result["nats_steps_stored_per_node"][0] >= result["steps_emitted"] > 0
+    assert result["completed"] is True
+    for counter in ("steps_lost", "paths_trained_twice", "batches_lost", "double_leases", "executions_lost"):
+        assert result[counter] == 0, (counter, result)
+    assert result["trainer_bitwise_equal"] is True
+    assert result["ok"] is True
