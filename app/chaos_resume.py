@@ -2,7 +2,7 @@
 
     gyre run CONFIG --steps N --run-dir D            (a child process: launcher, services, embedded
                                                      NATS and Postgres, exactly as an operator runs it)
-    wait for trainer step s (seeded, 1 <= s <= N-2) and executions live in the event log
+    wait for trainer step s (seeded, in the first half of the run) and executions live in the event log
     SIGKILL every process at once: the launcher, everything under it, and whatever names D on its
     command line (the embedded Postgres daemonises away from the launcher)
     gyre run CONFIG --steps N --run-dir D --resume   (a second child; it must complete the run)
@@ -11,7 +11,10 @@ Then, from the run directory (the same counters as the other faults, app.chaos.t
 as a rollout death), plus the step count's continuity:
 
     step_at_kill           the newest weight version in the event log when everything was killed
-    steps_continuous       the weight versions published over both runs are exactly 1..N, each once
+    final_step             the newest weight version published (the trainer may go past N while the
+                           job stops)
+    steps_continuous       the weight versions published over both runs are 1..final_step, each
+                           once, and final_step >= N
     processes_killed       how many processes the kill reached (launcher, NATS, Postgres, services...)
 
 The trajectory's batch table (for batches_lost) is read after the resumed run ended, from the run's
@@ -65,14 +68,24 @@ def _live(records: list[dict[str, Any]]) -> int:
     return len(live)
 
 
+def _names(arg: str, places: set[str]) -> bool:
+    """Whether a command-line argument is one of `places` or a path below one."""
+    return any(arg == place or arg.startswith(place + "/") for place in places)
+
+
 def kill_everything(launcher_pid: int, run_dir: Path) -> int:
-    """SIGKILL the launcher, its descendants and every process naming `run_dir` on its command line,
-    with theirs, all at once (as a machine that loses power); returns how many processes."""
+    """SIGKILL the launcher, its descendants and every process with an argument in `run_dir` (or in
+    the embedded Postgres's cluster, which lives outside it when we are root), with theirs, all at
+    once (as a machine that loses power); returns how many processes. Never this process or its
+    ancestors (a shell or `timeout` that started `gyre chaos --run-dir D` names D too)."""
+    spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    # the run dir, and where the embedded Postgres keeps its cluster when it is not under it (root)
+    places = {str(run_dir), str((run_dir / "postgres" / "pgdata").resolve())}
     roots: list[psutil.Process] = []
     for p in psutil.process_iter(["cmdline"]):
-        if p.pid == os.getpid():
+        if p.pid in spared:
             continue
-        if p.pid == launcher_pid or str(run_dir) in " ".join(p.info["cmdline"] or []):
+        if p.pid == launcher_pid or any(_names(arg, places) for arg in p.info["cmdline"] or []):
             roots.append(p)
     victims: dict[int, psutil.Process] = {}
     for root in roots:
@@ -81,7 +94,8 @@ def kill_everything(launcher_pid: int, run_dir: Path) -> int:
                 victims[p.pid] = p
         except psutil.NoSuchProcess:
             continue
-    victims.pop(os.getpid(), None)
+    for pid in spared:
+        victims.pop(pid, None)
     for p in victims.values():
         try:
             p.send_signal(signal.SIGKILL)
@@ -114,7 +128,8 @@ def run_resume_chaos(
     from app.chaos import tally
 
     run_dir = run_dir.resolve()
-    kill_step = random.Random(seed).randint(1, max(1, steps - 2))
+    # In the first half: executions live at the kill need steps after the resume to finish in.
+    kill_step = random.Random(seed).randint(1, max(1, (steps - 1) // 2))
     cmd = [
         sys.executable,
         "-m",
@@ -181,8 +196,11 @@ def run_resume_chaos(
         "step_at_kill": fault.step_at_kill,
         "processes_killed": fault.detail["processes_killed"],
         "final_step": max(versions, default=0),
-        # versions 1..N each published once (the trainer may publish one more while the job stops)
-        "steps_continuous": sorted(per_version)[:steps] == list(range(1, steps + 1))
+        # every version from 1 to the last one published exactly once, the last one >= N (the
+        # trainer may publish more while the job stops)
+        "steps_continuous": bool(per_version)
+        and sorted(per_version) == list(range(1, max(per_version) + 1))
+        and max(per_version) >= steps
         and max(per_version.values()) == 1,
         "completed": bool(summary.get("completed")) and fault.recovered,
         "summary": summary,
