@@ -101,8 +101,17 @@ def kill_everything(launcher_pid: int, run_dir: Path) -> int:
             p.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(list(victims.values()), timeout=30)
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline and any(_alive(p) for p in victims.values()):
+        time.sleep(0.05)  # dead once gone or a zombie (its parent, maybe us, reaps it later)
     return len(victims)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _batches_after(run_dir: Path, run_id: str) -> dict[str, dict[str, Any]] | None:

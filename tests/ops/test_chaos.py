@@ -13,8 +13,10 @@ import random
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from app.chaos import count_double_leases, execution_fates, plan_faults
@@ -197,3 +199,33 @@ def test_a_job_on_a_nats_cluster_survives_an_engine_kill_and_the_loss_of_the_ste
         assert result[counter] == 0, (counter, result)
     assert result["trainer_bitwise_equal"] is True
     assert result["ok"] is True
+
+
+def test_killing_everything_reaches_the_launcher_tree_and_what_names_the_run_dir_but_not_the_killer(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launcher = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"])  # a launcher and its child
+    while not psutil.Process(launcher.pid).children():
+        time.sleep(0.05)
+    tree = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(300)"]
+    server = subprocess.Popen([*sleeper, str(run_dir / "nats" / "nats-server.conf")])  # names the run dir
+    bystander = subprocess.Popen([*sleeper, str(tmp_path / "run-other")])  # a prefix of it, not inside
+    # The killer names the run dir on its own command line, as `gyre chaos --run-dir D` does.
+    killer = subprocess.run(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from app.chaos_resume import "
+         f"kill_everything; print(kill_everything({launcher.pid}, Path(sys.argv[1])))", str(run_dir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    try:
+        assert killer.returncode == 0, killer.stderr  # it did not kill itself
+        assert int(killer.stdout) == len(tree) + 1  # the launcher's tree and the server
+        assert launcher.wait(30) == -9 and server.wait(30) == -9
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree)
+        assert bystander.poll() is None
+    finally:
+        for p in (launcher, server, bystander):
+            p.kill()
+            p.wait()
