@@ -38,6 +38,7 @@ trainer's final checkpoint:
     executions_live_at_kill / _resumed / _restarted   of those, the ones the restarted rollout resumed
                          under their own id and finished (RESUMED event, then FINISHED or TRUNCATED),
                          and the ones it ended FAILED instead (their tasks ran again in new groups);
+                         executions_resumed_unfinished: resumed, still running when the job stopped;
                          executions_resumed_fraction = resumed / live at kill (execution_fates)
     engine_kill_executions_live / _finished / _lost   executions live when an engine was killed
                          (the rollout lived), the ones that finished (FINISHED or TRUNCATED) and the
@@ -112,7 +113,8 @@ def execution_fates(execution_events: list[dict[str, Any]], kills: list[float]) 
     """What became of each execution live when a rollout process died (started before a kill time in
     `kills`, no end event before it): "resumed" (a RESUMED event after that kill and an end that is
     not FAILED: it finished under its own id), "restarted" (ended FAILED: not resumed, its task ran
-    again in a new group) or "unended" (no end event at all). Events as the event log holds them."""
+    again in a new group), "resumed_unended" (resumed after that kill, still running when the job
+    stopped) or "unended" (no end event and not resumed). Events as the event log holds them."""
     started: dict[str, float] = {}
     ends: dict[str, tuple[float, str]] = {}
     resumed_at: dict[str, list[float]] = {}
@@ -131,7 +133,7 @@ def execution_fates(execution_events: list[dict[str, Any]], kills: list[float]) 
         if not hit:
             continue
         if not end_kind:
-            fates[eid] = "unended"
+            fates[eid] = "resumed_unended" if any(r > hit[-1] for r in resumed_at.get(eid, [])) else "unended"
         elif end_kind != "KIND_FAILED" and any(r > hit[-1] for r in resumed_at.get(eid, [])):
             fates[eid] = "resumed"
         else:
@@ -263,6 +265,7 @@ def tally(
         "executions_live_at_kill": len(fates),
         "executions_resumed": sum(1 for f in fates.values() if f == "resumed"),
         "executions_restarted": sum(1 for f in fates.values() if f == "restarted"),
+        "executions_resumed_unfinished": sum(1 for f in fates.values() if f == "resumed_unended"),
         "executions_resumed_fraction": (
             round(sum(1 for f in fates.values() if f == "resumed") / len(fates), 4) if fates else None
         ),
@@ -491,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     elif args.resume:
         keys = ("completed", "step_at_kill", "final_step", "steps_continuous", "processes_killed")
-        for key in (*keys, "executions_live_at_kill", "executions_resumed", "executions_restarted"):
+        live = ("executions_live_at_kill", "executions_resumed", "executions_restarted")
+        for key in (*keys, *live, "executions_resumed_unfinished"):
             print(f"  {key}: {result[key]}")
         for key in (*LOSS_COUNTERS, "trainer_bitwise_equal", "ok"):
             print(f"  {key}: {result.get(key)}")

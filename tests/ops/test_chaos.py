@@ -59,6 +59,7 @@ def test_executions_live_at_a_rollout_kill_are_counted_resumed_restarted_or_unen
         _ex("resumed-failed", "KIND_STARTED", 3), _ex("resumed-failed", "KIND_RESUMED", 12),
         _ex("resumed-failed", "KIND_FAILED", 13),  # "could not resume": not saved
         _ex("stuck", "KIND_STARTED", 4),
+        _ex("resumed-running", "KIND_STARTED", 4), _ex("resumed-running", "KIND_RESUMED", 12),
         _ex("after", "KIND_STARTED", 11), _ex("after", "KIND_FINISHED", 15),
     ]  # fmt: skip
     fates = execution_fates(events, [kill])
@@ -67,6 +68,7 @@ def test_executions_live_at_a_rollout_kill_are_counted_resumed_restarted_or_unen
         "ended": "restarted",
         "resumed-failed": "restarted",
         "stuck": "unended",
+        "resumed-running": "resumed_unended",  # the job stopped while it ran
     }
     # resumed at an earlier kill, then killed again and not resumed after the second one
     twice = execution_fates([*events, _ex("x", "KIND_STARTED", 1), _ex("x", "KIND_RESUMED", 11),
