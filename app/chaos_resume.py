@@ -116,7 +116,7 @@ def _alive(proc: psutil.Process) -> bool:
 
 def _batches_after(run_dir: Path, run_id: str) -> dict[str, dict[str, Any]] | None:
     """The trajectory's batch table, read from the run's Postgres data (started for it, then stopped)."""
-    from app.chaos import batch_states
+    from app.chaos_counts import batch_states
     from gyre.embedded import EmbeddedPostgres
 
     try:
@@ -134,7 +134,7 @@ def run_resume_chaos(
     """Kill the whole deployment of a `gyre run` mid-run and resume it (module docstring)."""
     import json
 
-    from app.chaos import tally
+    from app.chaos_counts import tally
 
     run_dir = run_dir.resolve()
     # In the first half: executions live at the kill need steps after the resume to finish in.
