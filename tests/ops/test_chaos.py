@@ -192,7 +192,10 @@ def test_a_job_on_a_nats_cluster_survives_an_engine_kill_and_the_loss_of_the_ste
     assert result["engine_kill_executions_finished"] == result["engine_kill_executions_live"]
     assert node["target"] == "nats-node" and node["recovered"], node
     assert node["detail"]["node"] == f"nats-{node['detail']['steps_stream_leader']}"  # the leader died
-    assert node["restarts"] == [node["detail"]["node"]]
+    # The node first; a service whose publish waited out a leader election (> 10 s when the killed
+    # node also led the JetStream meta group) exits and is restarted too, which the counters cover.
+    assert node["restarts"][0] == node["detail"]["node"]
+    assert set(node["restarts"][1:]) <= {"scheduler", "trajectory", "trainer", "rollout"}
     assert result["nats_cluster_size"] == 3
     assert result["nats_replicas_agree"] is True  # every node holds every step, the killed one too
     assert result["nats_steps_stored_per_node"][0] >= result["steps_emitted"] > 0
