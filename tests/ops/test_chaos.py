@@ -234,3 +234,38 @@ def test_killing_everything_reaches_the_launcher_tree_and_what_names_the_run_dir
         for p in (launcher, server, bystander):
             p.kill()
             p.wait()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_run_whose_every_process_is_killed_resumes_its_live_executions_and_continues_its_step_count(
+    tmp_path: Path,
+) -> None:
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    raw["rollout"].update(longhorizon_min_turns=40, longhorizon_max_turns=48)  # executions live for seconds
+    config = tmp_path / "long.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.chaos", str(config), "--json", "--resume", "--steps", "12"]
+        + ["--run-dir", str(tmp_path / "run")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
+    assert proc.stdout.strip(), proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["processes_killed"] >= 6  # launcher, NATS, Postgres and the four services at least
+    assert 1 <= result["step_at_kill"] < 12
+    assert result["completed"] is True and result["steps_continuous"] is True
+    assert result["final_step"] >= 12
+    live = result["executions_live_at_kill"]
+    assert live > 0, result  # the kill waits for executions live in the event log
+    assert result["executions_resumed"] >= 0.95 * live, result  # resumed under their own ids, finished
+    for counter in ("steps_lost", "paths_trained_twice", "batches_lost", "double_leases", "executions_lost"):
+        assert result[counter] == 0, (counter, result)
+    assert result["trainer_bitwise_equal"] is True
