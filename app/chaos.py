@@ -1,14 +1,22 @@
-"""`gyre chaos [CONFIG] [--json] [--steps N] [--seed S] [--run-dir D]`: kill anything, lose nothing.
+"""`gyre chaos [CONFIG] [--json] [--steps N] [--seed S] [--run-dir D] [--targets T,..] [--resume]`: kill
+anything, lose nothing.
 
 Runs one job of CONFIG (default: the quickstart) exactly as `gyre run` does — every service its own
 supervised process, embedded NATS and Postgres — and meanwhile, one fault at a time:
 
-    for target in scheduler, rollout, trajectory, trainer, nats, postgres:
+    for target in --targets (default scheduler, rollout, trajectory, trainer, nats, postgres; also
+                  engine and nats-node, app.chaos_faults says what each kills and waits for):
         wait for trainer step s_target (spread over the run) + a random delay (seeded); a rollout
-        kill then also waits for a live execution (started, not ended), so resuming is exercised
-        SIGKILL the target's process (postgres: a fast shutdown, i.e. a restart of the server)
-        wait until the supervisor brought it back and every service reports SERVING  -> recovery_s
+        or engine kill then also waits for a live execution (started, not ended)
+        kill the target (SIGKILL; postgres: a fast shutdown; engine: SIGUSR2 to the rollout, whose
+        rollout.fault_injection this command turns on; nats-node: the steps stream's leader of a
+        3-node NATS cluster, which this command turns on)
+        wait until it is back (the supervisor restarted it, or the rollout re-admitted a fresh
+        engine) and every service reports SERVING                                  -> recovery_s
         wait until the trainer publishes its next weight version                     -> progress_resumed_s
+
+`--resume` runs another scenario instead (app.chaos_resume): every process of a `gyre run` killed at
+once mid-run, then `gyre run --resume` on the same run dir; the same counters, plus steps_continuous.
 
 Then, over the whole run, from the event log (events.jsonl), the services' final counters and the
 trainer's final checkpoint:
@@ -30,13 +38,20 @@ trainer's final checkpoint:
     executions_live_at_kill / _resumed / _restarted   of those, the ones the restarted rollout resumed
                          under their own id and finished (RESUMED event, then FINISHED or TRUNCATED),
                          and the ones it ended FAILED instead (their tasks ran again in new groups);
+                         executions_resumed_unfinished: resumed, still running when the job stopped;
                          executions_resumed_fraction = resumed / live at kill (execution_fates)
+    engine_kill_executions_live / _finished / _lost   executions live when an engine was killed
+                         (the rollout lived), the ones that finished (FINISHED or TRUNCATED) and the
+                         ones that ended FAILED or never ended (engine_kill_fates)
+    nats_steps_stored_per_node, nats_replicas_agree   after a nats-node kill: the steps stream's
+                         messages in each node's own copy, and whether all agree (the restarted node
+                         caught up)
     completed            the job reached its steps; `learned` (+ reward delta): the report's verdict
     trainer_bitwise_equal  the exactly-once probe (app.exactly_once): a trainer SIGKILLed and
                          restarted ends bitwise equal to an uninterrupted one fed the same batches
 
-Exit status 0 when completed, every loss counter is 0, every fault recovered and the trainer is
-bitwise equal; 1 otherwise; 2 for a bad config.
+Exit status 0 when completed, every loss counter is 0, every fault recovered, the replicas agree
+(after a nats-node kill) and the trainer is bitwise equal; 1 otherwise; 2 for a bad config.
 """
 
 from __future__ import annotations
@@ -45,298 +60,37 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
-import os
 import random
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gyre.errors import ConfigError, GyreError
+from app.chaos_counts import (
+    LOSS_COUNTERS,
+    batch_states,
+    count_double_leases,
+    engine_kill_fates,
+    execution_fates,
+    final_trainer_state,
+    tally,
+)
+from app.chaos_faults import DEFAULT_TARGETS, TARGETS, inject, plan_faults, replicas_caught_up
+from gyre.errors import ConfigError
 
-TARGETS = ("scheduler", "rollout", "trajectory", "trainer", "nats", "postgres")
 DEFAULT_CONFIG = Path("examples/quickstart.yaml")
-RECOVERY_TIMEOUT_S = 300.0
-LOSS_COUNTERS = ("steps_lost", "paths_trained_twice", "batches_lost", "double_leases", "executions_lost")
-
-
-@dataclass
-class Fault:
-    """One injected fault and how the deployment came back from it (times: Unix seconds)."""
-
-    target: str
-    at_step: int  # trainer step (weight version) after which it is injected
-    delay_s: float  # random delay after that step
-    injected_at: float = 0.0
-    step_at_kill: int = 0
-    recovered: bool = False
-    recovery_s: float | None = None  # kill -> target back and every service SERVING
-    progress_resumed_s: float | None = None  # kill -> next weight version published
-    restarts: list[str] = field(default_factory=list)  # services/servers restarted because of it
-    error: str = ""
-
-
-def plan_faults(targets: list[str], num_steps: int, rng: random.Random) -> list[Fault]:
-    """One fault per target, in order, at steps spread over the run (the last one at least two steps
-    before the end, so its recovery is observed), each after a random delay of 0-3 s."""
-    span = max(1, num_steps - 3)
-    faults = []
-    for i, target in enumerate(targets):
-        step = 1 + (i * span) // max(1, len(targets))
-        faults.append(Fault(target, step, round(rng.uniform(0.0, 3.0), 2)))
-    return faults
-
-
-def _all_serving(deployment: Any) -> bool:
-    from app.launcher.healthcheck import check
-
-    return all(
-        check(ep.grpc_address, timeout_s=2.0) == "SERVING"
-        for name, ep in deployment.endpoints.services.items()
-        if name not in deployment.stopped_services
-    )
-
-
-def _kill(deployment: Any, target: str) -> None:
-    if target in ("nats", "postgres"):
-        server = deployment.embedded(target)
-        if server is None or server.pid is None:
-            raise GyreError(f"no embedded {target} to kill (an external server is not ours to kill)")
-        # nats: SIGKILL; postgres: a fast shutdown (SIGINT), which the supervisor turns into a restart.
-        os.kill(server.pid, signal.SIGKILL if target == "nats" else signal.SIGINT)
-        return
-    proc = deployment.process(target)
-    if proc is None or proc.returncode is not None:
-        raise GyreError(f"service {target} is not running")
-    os.kill(proc.pid, signal.SIGKILL)
-
-
-async def _until_version(tracker: Any, version: int, deadline_unix_s: float) -> bool:
-    """Poll every 0.2 s until the trainer published `version` (True) or the deadline passed (False)."""
-    while True:
-        if tracker.version >= version:
-            return True
-        if time.time() > deadline_unix_s:
-            return False
-        await asyncio.sleep(0.2)
-
-
-LIVE_WAIT_S = 60.0  # longest wait for live executions before a rollout kill
-
-
-async def _until_live_executions(tracker: Any, deadline_unix_s: float) -> bool:
-    """Poll every 0.1 s until the event stream shows an execution started and not ended (True) or
-    the deadline passed (False). Executions start in bursts after a weights version and most end
-    within seconds: a rollout killed between bursts has nothing to resume and tests nothing."""
-    while True:
-        if tracker.executions["started"] > tracker.executions["ended"]:
-            return True
-        if time.time() > deadline_unix_s:
-            return False
-        await asyncio.sleep(0.1)
-
-
-async def inject(deployment: Any, tracker: Any, faults: list[Fault]) -> None:
-    """Inject `faults` one after the other (module docstring); never raises, errors are recorded.
-    A rollout kill waits (up to LIVE_WAIT_S) for live executions, so that resuming is exercised."""
-    for fault in faults:
-        try:
-            await _until_version(tracker, fault.at_step, math.inf)
-            await asyncio.sleep(fault.delay_s)
-            if fault.target == "rollout":
-                await _until_live_executions(tracker, time.time() + LIVE_WAIT_S)
-            fault.step_at_kill = tracker.version
-            fault.injected_at = time.time()
-            _kill(deployment, fault.target)
-            deadline = fault.injected_at + RECOVERY_TIMEOUT_S
-            while time.time() < deadline:
-                back = any(
-                    r.service == fault.target and r.serving_at and r.exited_at >= fault.injected_at - 1.0
-                    for r in deployment.restarts
-                )
-                if back and await asyncio.to_thread(_all_serving, deployment):
-                    fault.recovered = True
-                    fault.recovery_s = round(time.time() - fault.injected_at, 2)
-                    break
-                await asyncio.sleep(0.2)
-            fault.restarts = [
-                r.service for r in deployment.restarts if r.exited_at >= fault.injected_at - 1.0
-            ]
-            if not fault.recovered:
-                fault.error = f"not recovered within {RECOVERY_TIMEOUT_S:.0f} s"
-                continue
-            if await _until_version(tracker, fault.step_at_kill + 1, deadline):
-                fault.progress_resumed_s = round(time.time() - fault.injected_at, 2)
-        except Exception as exc:  # recorded and reported; the next fault still runs
-            fault.error = repr(exc)
-
-
-# -- the numbers -------------------------------------------------------------------------------
-
-
-def _int(value: Any) -> int:
-    return int(value or 0)
-
-
-def count_double_leases(lease_events: list[dict[str, Any]]) -> int:
-    """Acquisitions of a device while another holder's acquisition was not released, or with an
-    epoch not above the previous acquisition of that device (events in stream order)."""
-    holder: dict[str, str] = {}
-    epoch: dict[str, int] = {}
-    doubles = 0
-    for ev in lease_events:
-        lease = ev.get("lease", {})
-        device, kind = lease.get("device_id", ""), ev.get("kind", "")
-        if kind in ("KIND_ACQUIRED", "KIND_REGISTERED") and lease.get("holder"):
-            new_epoch = _int(lease.get("epoch"))
-            current = holder.get(device)
-            if (current and current != lease["holder"]) or (device in epoch and new_epoch <= epoch[device]):
-                doubles += 1
-            holder[device], epoch[device] = lease["holder"], new_epoch
-        elif kind in ("KIND_RELEASED", "KIND_ROLLED_BACK") and not lease.get("holder"):
-            holder.pop(device, None)
-    return doubles
-
-
-def execution_fates(execution_events: list[dict[str, Any]], kills: list[float]) -> dict[str, str]:
-    """What became of each execution live when a rollout process died (started before a kill time in
-    `kills`, no end event before it): "resumed" (a RESUMED event after that kill and an end that is
-    not FAILED: it finished under its own id), "restarted" (ended FAILED: not resumed, its task ran
-    again in a new group) or "unended" (no end event at all). Events as the event log holds them."""
-    started: dict[str, float] = {}
-    ends: dict[str, tuple[float, str]] = {}
-    resumed_at: dict[str, list[float]] = {}
-    for ev in execution_events:
-        eid, kind, at = ev["execution_id"], ev.get("kind", ""), float(ev.get("created_unix_s", 0))
-        if kind == "KIND_STARTED":
-            started.setdefault(eid, at)
-        elif kind == "KIND_RESUMED":
-            resumed_at.setdefault(eid, []).append(at)
-        elif kind in ("KIND_FINISHED", "KIND_TRUNCATED", "KIND_FAILED"):
-            ends.setdefault(eid, (at, kind))
-    fates: dict[str, str] = {}
-    for eid, t0 in started.items():
-        end_at, end_kind = ends.get(eid, (math.inf, ""))
-        hit = [k for k in kills if t0 < k < end_at]
-        if not hit:
-            continue
-        if not end_kind:
-            fates[eid] = "unended"
-        elif end_kind != "KIND_FAILED" and any(r > hit[-1] for r in resumed_at.get(eid, [])):
-            fates[eid] = "resumed"
-        else:
-            fates[eid] = "restarted"
-    return fates
-
-
-def final_trainer_state(run_dir: Path) -> dict[str, Any]:
-    """state.json of the trainer's newest checkpoint (<run_dir>/trainer/checkpoints; {} if none)."""
-    states = sorted((run_dir / "trainer").rglob("state.json"), key=lambda p: p.stat().st_mtime)
-    for path in reversed(states):
-        try:
-            data = json.loads(path.read_text())
-        except ValueError:
-            continue
-        if "trained_batch_ids" in data:
-            return dict(data)
-    return {}
-
-
-def batch_states(database_url: str, run_id: str) -> dict[str, dict[str, Any]]:
-    """batch_id -> {state, delivered_unix_s, trained_at_version} of the trajectory's batch table."""
-    import sqlalchemy as sa
-
-    from gyre import store
-
-    engine = store.create_engine(database_url)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(
-                sa.text(
-                    "SELECT batch_id, state, delivered_unix_s, trained_at_version FROM traj_batches "
-                    "WHERE run_id = :run"
-                ),
-                {"run": run_id},
-            ).all()
-    finally:
-        engine.dispose()
-    return {r[0]: {"state": r[1], "delivered_unix_s": r[2], "trained_at_version": r[3]} for r in rows}
-
-
-def tally(
-    run_dir: Path,
-    final_stats: dict[str, Any],
-    faults: list[Fault],
-    batches_in_store: dict[str, dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """The run's loss counters (module docstring) from its event log, counters, checkpoint and the
-    trajectory's batch table (`batches_in_store`, read before the deployment stopped)."""
-    from app.job.eventlog import read_events
-
-    by_type: dict[str, list[dict[str, Any]]] = {}
-    for record in read_events(run_dir / "events.jsonl"):
-        by_type.setdefault(record["type"], []).append(record["event"])
-    steps_emitted = len({ev["event_id"] for ev in by_type.get("StepEvent", [])})
-    trajectory = final_stats.get("trajectory", {}).get("values", {})
-    steps_stored = int(float(trajectory.get("stored_calls", 0)))
-
-    trained = list(final_trainer_state(run_dir).get("trained_batch_ids", []))
-    batches = {ev["batch_id"]: ev for ev in by_type.get("BatchReadyEvent", [])}
-    twice = {b for b in trained if trained.count(b) > 1}
-    weights = by_type.get("WeightsPublishedEvent", [])
-    last_step_unix = max((float(w.get("weights", {}).get("created_unix_s", 0)) for w in weights), default=0.0)
-    stored = batches_in_store or {}
-    handed = {
-        b: row
-        for b, row in stored.items()
-        if row["state"] == "delivered" or (row["state"] == "acked" and (row["trained_at_version"] or 0) >= 0)
-    }
-    lost_batches = [
-        b
-        for b, row in handed.items()
-        if b not in trained and float(row["delivered_unix_s"] or 0) < last_step_unix
-    ]
-    dissolved = [b for b in batches if b not in stored] if batches_in_store is not None else []
-
-    started = {
-        ev["execution_id"]: ev for ev in by_type.get("ExecutionEvent", []) if ev.get("kind") == "KIND_STARTED"
-    }
-    scored = {ev["group_id"] for ev in by_type.get("GroupScoredEvent", [])}
-    # Every time a rollout process died: the injected kills and any other exit the supervisor saw.
-    restart_events = final_stats.get("launcher", {}).get("restart_events", [])
-    kills = sorted(
-        {f.injected_at for f in faults if f.target == "rollout" and f.injected_at}
-        | {float(r["exited_at"]) for r in restart_events if r.get("service") == "rollout"}
-    )
-    fates = execution_fates(by_type.get("ExecutionEvent", []), kills)
-    orphaned = list(fates)
-    lost_executions = [eid for eid in orphaned if started[eid].get("group_id") not in scored]
-    rerun_groups = {ev.get("group_id", "") for ev in started.values() if "-r" in ev.get("group_id", "")}
-    return {
-        "steps_emitted": steps_emitted,
-        "steps_stored": steps_stored,
-        "steps_lost": max(0, steps_emitted - steps_stored),
-        "batches_announced": len(batches),
-        "batches_trained": len(set(trained)),
-        "batches_lost": len(lost_batches) if batches_in_store is not None else None,  # None: unknown
-        "batches_dissolved": len(dissolved),
-        "batches_quarantined": sum(1 for row in stored.values() if row["trained_at_version"] == -1),
-        "paths_trained_twice": sum(_int(batches.get(b, {}).get("num_paths")) for b in twice),
-        "double_leases": count_double_leases(by_type.get("LeaseEvent", [])),
-        "executions_started": len(started),
-        "executions_orphaned": len(orphaned),
-        "executions_live_at_kill": len(fates),
-        "executions_resumed": sum(1 for f in fates.values() if f == "resumed"),
-        "executions_restarted": sum(1 for f in fates.values() if f == "restarted"),
-        "executions_resumed_fraction": (
-            round(sum(1 for f in fates.values() if f == "resumed") / len(fates), 4) if fates else None
-        ),
-        "executions_lost": len(lost_executions),
-        "groups_rerun_after_rollout_restart": len(rerun_groups),
-    }
+# re-exported: the counting functions live in app.chaos_counts
+__all__ = [
+    "batch_states",
+    "count_double_leases",
+    "engine_kill_fates",
+    "execution_fates",
+    "final_trainer_state",
+    "main",
+    "plan_faults",
+    "tally",
+]
 
 
 # -- the command -------------------------------------------------------------------------------
@@ -363,6 +117,13 @@ def run_chaos(
 
     raw = effective_config(config_path, policy=None, steps=steps, run_dir=run_dir)
     raw.setdefault("job", {})["timeout_s"] = max(float(raw["job"].get("timeout_s", 0)), 3600.0)
+    if "engine" in targets:  # SIGUSR2 fails one engine of the rollout (app.chaos_faults)
+        raw.setdefault("rollout", {})["fault_injection"] = True
+    launcher = raw.setdefault("launcher", {})
+    if "nats-node" in targets and int(launcher.get("nats_cluster_size", 1)) == 1:
+        launcher["nats_cluster_size"] = 3  # a node of a replicated bus to kill
+    if "nats" in targets and int(launcher.get("nats_cluster_size", 1)) > 1:
+        raise ConfigError("target nats kills a single nats-server; on a NATS cluster use nats-node")
     common = load_common(data=raw)
     job = load_section(JobConfig, "job", data=raw)
     if job.num_steps < 4:
@@ -387,6 +148,7 @@ def run_chaos(
             await inject(dep, tracker, faults)
 
         outcome = asyncio.run(drive(dep, common, job, out_dir, started=started, sidecar=sidecar))
+        replicas = asyncio.run(replicas_caught_up(dep)) if "nats-node" in targets else {}
         try:
             in_store: dict[str, dict[str, Any]] | None = batch_states(
                 dep.endpoints.database_url, common.run_id
@@ -409,6 +171,8 @@ def run_chaos(
         "end_reason": outcome.reason,
         "faults": [asdict(f) for f in faults],
         "all_faults_recovered": all(f.recovered for f in faults),
+        "nats_cluster_size": int(raw.get("launcher", {}).get("nats_cluster_size", 1)),
+        **replicas,
         **counters,
         "restarts": outcome.final_stats.get("launcher", {}).get("restarts", {}),
         "learned": bool(summary.get("learned")),
@@ -421,6 +185,41 @@ def run_chaos(
     result["ok"] = bool(
         result["completed"]
         and result["all_faults_recovered"]
+        and all(result[c] == 0 for c in LOSS_COUNTERS)
+        and result["trainer_bitwise_equal"]
+        and result.get("nats_replicas_agree", True)
+    )
+    (out_dir / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def run_resume(config_path: Path, *, steps: int | None, seed: int, run_dir: Path) -> dict[str, Any]:
+    """`gyre chaos --resume` (app.chaos_resume) plus the exactly-once probe; the result is also
+    written to `<run_dir>/chaos.json`."""
+    from app.chaos_resume import run_resume_chaos
+    from app.exactly_once import run_probe
+    from app.job.config import JobConfig
+    from app.job.run import prepare_run_dir
+    from gyre.config import load_common, load_section, load_yaml
+
+    raw = load_yaml(config_path)
+    num_steps = steps or load_section(JobConfig, "job", data=raw).num_steps
+    if num_steps < 4:
+        raise ConfigError(f"gyre chaos --resume needs at least 4 trainer steps, got {num_steps}")
+    out_dir = run_dir.resolve()
+    prepare_run_dir(out_dir)
+    run_id = load_common(data=raw).run_id
+    result = {
+        "config": str(config_path),
+        "run_dir": str(out_dir),
+        "seed": seed,
+        "num_steps": num_steps,
+        **run_resume_chaos(config_path, steps=num_steps, seed=seed, run_dir=out_dir, run_id=run_id),
+    }
+    result.update(run_probe(out_dir / "exactly_once", out_dir / "config.yaml", steps=8, seed=seed))
+    result["ok"] = bool(
+        result["completed"]
+        and result["steps_continuous"]
         and all(result[c] == 0 for c in LOSS_COUNTERS)
         and result["trainer_bitwise_equal"]
     )
@@ -443,6 +242,8 @@ def _print_text(result: dict[str, Any]) -> None:
         "executions_live_at_kill",
         "executions_resumed",
         "executions_restarted",
+        "engine_kill_executions_live",
+        "engine_kill_executions_finished",
         *LOSS_COUNTERS,
         "learned",
         "trainer_bitwise_equal",
@@ -466,8 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--targets",
-        default=",".join(TARGETS),
-        help=f"comma-separated faults, in order (default {','.join(TARGETS)})",
+        default=",".join(DEFAULT_TARGETS),
+        help=(
+            f"comma-separated faults, in order, of {','.join(TARGETS)} (default {','.join(DEFAULT_TARGETS)}; "
+            "engine turns rollout.fault_injection on, nats-node runs NATS as a 3-node cluster)"
+        ),
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="instead of single faults: kill every process of a `gyre run` mid-run, then `gyre run --resume` "
+        "it on the same run dir (app/chaos_resume.py)",
     )
     args = parser.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]
@@ -487,14 +297,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # stdout carries only the result: the job's progress lines go to stderr meanwhile.
         with contextlib.redirect_stdout(sys.stderr):
-            result = run_chaos(
-                args.config, steps=args.steps, seed=args.seed, run_dir=run_dir, targets=targets
-            )
+            if args.resume:
+                result = run_resume(args.config, steps=args.steps, seed=args.seed, run_dir=run_dir)
+            else:
+                result = run_chaos(
+                    args.config, steps=args.steps, seed=args.seed, run_dir=run_dir, targets=targets
+                )
     except ConfigError as exc:
         print(f"gyre chaos: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result, indent=2))
+    elif args.resume:
+        keys = ("completed", "step_at_kill", "final_step", "steps_continuous", "processes_killed")
+        live = ("executions_live_at_kill", "executions_resumed", "executions_restarted")
+        for key in (*keys, *live, "executions_resumed_unfinished"):
+            print(f"  {key}: {result[key]}")
+        for key in (*LOSS_COUNTERS, "trainer_bitwise_equal", "ok"):
+            print(f"  {key}: {result.get(key)}")
     else:
         _print_text(result)
     return 0 if result["ok"] else 1

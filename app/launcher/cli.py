@@ -85,9 +85,10 @@ def endpoints_table(endpoints: object) -> object:
     for column in ("service", "gRPC", "metrics", "pid", "log"):
         table.add_column(column, overflow="fold")
     embedded = set(endpoints.embedded)
-    table.add_row(
-        "nats", _hide_password(endpoints.nats_url), "", "", "embedded" if "nats" in embedded else "external"
-    )
+    from gyre.bus.auth import redact
+
+    shown = ",".join(redact(u) for u in endpoints.nats_url.split(","))  # a cluster lists every node
+    table.add_row("nats", shown, "", "", "embedded" if "nats" in embedded else "external")
     table.add_row(
         "postgres",
         _hide_password(endpoints.database_url),

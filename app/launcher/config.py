@@ -39,6 +39,16 @@ class LauncherConfig(ConfigModel):
         ),
     )
 
+    nats_cluster_size: int = Field(
+        1,
+        description=(
+            "Embedded NATS only (no nats_url / GYRE_NATS_URL): 1 runs one nats-server; 3 or 5 run a local "
+            "JetStream cluster of that many nats-servers (cluster routes with a generated password, the same "
+            "per-service users) and declares every stream with that many replicas, so the bus survives the "
+            "loss of one server (of two with 5). Services get the comma-separated list of the nodes' URLs."
+        ),
+    )
+
     restart: bool = Field(
         True,
         description=(
@@ -67,6 +77,16 @@ class LauncherConfig(ConfigModel):
     restart_backoff_max_s: float = Field(
         30.0, ge=0, description="Upper bound of the restart backoff, in seconds."
     )
+
+    @field_validator("nats_cluster_size")
+    @classmethod
+    def _raft_sized(cls, value: int) -> int:
+        if value not in (1, 3, 5):
+            raise ValueError(
+                f"nats_cluster_size must be 1, 3 or 5 (a JetStream cluster needs an odd majority and stores "
+                f"a stream on at most 5 servers), got {value}"
+            )
+        return value
 
     @field_validator("services")
     @classmethod

@@ -78,8 +78,13 @@ class RunCredentials:
         return creds
 
     def nats_url(self, base_url: str, role: str) -> str:
-        """`base_url` with `role`'s NATS user and password."""
-        return auth.url_with_credentials(base_url, role, self.nats[role])
+        """`base_url` with `role`'s NATS user and password; a comma-separated server list (a cluster)
+        gets them in every URL."""
+        return ",".join(
+            auth.url_with_credentials(u.strip(), role, self.nats[role])
+            for u in base_url.split(",")
+            if u.strip()
+        )
 
 
 def _write_private(path: Path, text: str) -> None:

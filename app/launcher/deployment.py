@@ -6,9 +6,10 @@
 Start (each step waits for the previous one):
 
 1. NATS and Postgres: the URLs given here, else the run config / GYRE_NATS_URL / GYRE_DATABASE_URL,
-   else embedded servers under `<run_dir>/nats` and `<run_dir>/postgres` on free ports;
-2. the JetStream streams (gyre.bus.subjects) and every service's migrations (gyre.store), once,
-   before any service runs;
+   else embedded servers under `<run_dir>/nats` and `<run_dir>/postgres` on free ports (NATS as a
+   local JetStream cluster with `launcher.nats_cluster_size` 3 or 5: app.launcher.servers);
+2. the JetStream streams (gyre.bus.subjects, as many replicas as the embedded cluster has nodes) and
+   every service's migrations (gyre.store), once, before any service runs;
 3. each service as its own process group, in the order scheduler, trajectory, trainer, rollout:
    spawn `python -m services.<name> --config FILE --port 0`, wait for its `GYRE_READY` line, then
    for gRPC health SERVING. Children get GYRE_NATS_URL, GYRE_DATABASE_URL, GYRE_RUN_ID,
@@ -37,15 +38,15 @@ process. A service that exits, for any reason and with any status, except throug
 `stop_service()`, is started again with the same command, gRPC port and environment plus
 GYRE_INCARNATION=<starts so far in this run_dir, <run_dir>/service_starts.json, so a deployment
 started again on the same run_dir (`gyre run --resume`) continues the count>, after the backoff of its `RestartPolicy`, and waited for until
-SERVING; an embedded nats-server or Postgres that exits is started again on the same port with the
-same data (JetStream file store, Postgres cluster), so every client's URL stays valid. Each restart
+SERVING; an embedded nats-server (each node of a cluster on its own, `nats-n<i>`) or Postgres that
+exits is started again on the same port with the same data (JetStream file store, Postgres cluster),
+so every client's URL stays valid. Each restart
 is logged (on_progress) and recorded (`restarts`, `supervision_stats()`); a service that exits more
 than `max_restarts` times within `restart_window_s` is given up on (`failed_services()`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -64,13 +65,21 @@ from app.launcher.credentials import RunCredentials
 from app.launcher.endpoints import FILENAME, Endpoints, ServiceEndpoint
 from app.launcher.healthcheck import check
 from app.launcher.process import RestartPolicy, RestartRecord, ServiceProcess
+from app.launcher.servers import (
+    ensure_streams,
+    kind_of,
+    new_embedded_nats,
+    read_starts,
+    run_async,
+    stream_replicas,
+    supervised_members,
+    write_starts,
+)
 from gyre import rpc
 from gyre.bus.auth import ADMIN, OBSERVER
 from gyre.config import CommonConfig, load_common, load_section, load_yaml
 from gyre.errors import GyreError
 from gyre.store import roles
-
-STARTS_NAME = "service_starts.json"  # in the run_dir: service -> processes started (read_starts)
 
 
 class DeploymentError(GyreError):
@@ -82,23 +91,6 @@ class DeploymentError(GyreError):
         )
         self.service = service
         self.log_tail = log_tail
-
-
-def read_starts(run_dir: Path) -> dict[str, int]:
-    """Service -> processes started so far in `run_dir` (<run_dir>/STARTS_NAME; {} for a new run)."""
-    try:
-        data = json.loads((run_dir / STARTS_NAME).read_text())
-    except (OSError, ValueError):
-        return {}
-    return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
-
-
-def write_starts(run_dir: Path, starts: Mapping[str, int]) -> None:
-    """Record the start counts (written whole to a temporary file, then renamed: never torn)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{STARTS_NAME}.tmp"
-    tmp.write_text(json.dumps(dict(starts), sort_keys=True) + "\n")
-    tmp.replace(run_dir / STARTS_NAME)
 
 
 def address_env_var(service: str) -> str:
@@ -219,8 +211,9 @@ class Deployment:
         nats_url = self._nats_url or self._start_embedded_nats()
         database_url = self._database_url or self._start_embedded_postgres()
         secured_nats = self._nats_url is None
-        self._progress(f"declaring streams on {nats_url}")
-        _run_async(_ensure_streams(creds.nats_url(nats_url, ADMIN) if secured_nats else nats_url))
+        replicas = stream_replicas(self.embedded("nats"))
+        self._progress(f"declaring streams on {nats_url}" + (f" ({replicas} replicas)" if replicas else ""))
+        run_async(ensure_streams(creds.nats_url(nats_url, ADMIN) if secured_nats else nats_url, replicas))
         self._progress("applying migrations")
         from app.db import upgrade_all
 
@@ -266,7 +259,7 @@ class Deployment:
             database_url=database_url,
             launcher_pid=os.getpid(),
             services=services,
-            embedded=[type(e).__name__.removeprefix("Embedded").lower() for e in self._embedded],
+            embedded=[kind_of(e) for e in self._embedded],
         )
         self._endpoints.write(self.run_dir).chmod(0o600)
         if self.launcher.restart:
@@ -313,11 +306,10 @@ class Deployment:
         path.unlink(missing_ok=True)  # left behind by a launcher that was killed
 
     def _start_embedded_nats(self) -> str:
-        from gyre.embedded import EmbeddedNats
-
-        self._progress("starting embedded nats-server")
+        size = self.launcher.nats_cluster_size
+        self._progress("starting embedded nats-server" + (f" cluster of {size}" if size > 1 else ""))
         assert self._credentials is not None
-        server = EmbeddedNats(self.run_dir / "nats", passwords=self._credentials.nats)
+        server = new_embedded_nats(self.run_dir / "nats", passwords=self._credentials.nats, cluster_size=size)
         self._embedded.append(server)
         return server.start()
 
@@ -422,10 +414,9 @@ class Deployment:
             return next((p for p in self._procs if p.name == name), None)
 
     def embedded(self, kind: str) -> Any:
-        """The embedded server `kind` ("nats" or "postgres") this deployment started, else None."""
-        return next(
-            (e for e in self._embedded if type(e).__name__.removeprefix("Embedded").lower() == kind), None
-        )
+        """The embedded server `kind` ("nats": an EmbeddedNats or EmbeddedNatsCluster; "postgres")
+        this deployment started, else None."""
+        return next((e for e in self._embedded if kind_of(e) == kind), None)
 
     def stop_service(self, name: str) -> int | None:
         """Stop service `name` on purpose (it is not restarted); returns its exit status."""
@@ -455,10 +446,9 @@ class Deployment:
     def _supervise(self) -> None:
         """Poll every process; restart what exited (see the module docstring)."""
         while not self._halt.wait(0.2):
-            for server in list(self._embedded):
-                kind = type(server).__name__.removeprefix("Embedded").lower()
-                if server.pid is None and kind not in self._gave_up and not self._halt.is_set():
-                    self._restart_embedded(server)
+            for name, server in [m for e in list(self._embedded) for m in supervised_members(e)]:
+                if server.pid is None and name not in self._gave_up and not self._halt.is_set():
+                    self._restart_embedded(name, server)
             with self._lock:
                 procs = list(self._procs)
             for proc in procs:
@@ -520,8 +510,7 @@ class Deployment:
                 self._endpoints.write(self.run_dir).chmod(0o600)
         self._progress(f"{proc.name} restarted and serving ({record.recovery_s:.1f} s after its exit)")
 
-    def _restart_embedded(self, server: Any) -> None:
-        kind = type(server).__name__.removeprefix("Embedded").lower()
+    def _restart_embedded(self, kind: str, server: Any) -> None:
         record = self._begin_restart(kind, None)
         if record is None:
             return
@@ -563,36 +552,3 @@ class Deployment:
 def _connect_host(bind_host: str) -> str:
     """Where a client on this machine reaches a server bound to `bind_host`."""
     return "127.0.0.1" if bind_host in {"0.0.0.0", ""} else "[::1]" if bind_host == "::" else bind_host
-
-
-async def _ensure_streams(nats_url: str) -> None:  # nats_url: the admin's login on a secured server
-    from gyre.bus import Bus
-
-    bus = await Bus.connect(nats_url, name="launcher")
-    try:
-        await bus.ensure_streams()
-    finally:
-        await bus.close()
-
-
-def _run_async(coro: Any) -> Any:
-    """Run a coroutine to completion from sync code, also when the caller's thread has a running loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    result: list[Any] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(asyncio.run(coro))
-        except BaseException as exc:  # re-raised in the caller's thread
-            error.append(exc)
-
-    thread = threading.Thread(target=target, name="gyre-launcher-async")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]

@@ -258,6 +258,15 @@ class RolloutConfig(ConfigModel):
         ge=0.0,
         description="Seconds before the first restart of a crashed engine; doubled for each further one.",
     )
+    fault_injection: bool = Field(
+        False,
+        description=(
+            "Chaos testing only (`gyre chaos --targets engine`): SIGUSR2 to the rollout process makes "
+            "the torch engine holding the most requests fail at its next loop step, as a device fault "
+            "would (its requests move to the other engines, it is restarted and re-admitted). Only a "
+            "process allowed to signal the rollout can trigger it. False: SIGUSR2 is not handled."
+        ),
+    )
     model: ModelConfig = Field(
         default_factory=lambda: ModelConfig.model_validate({}),
         description="Model architecture (must match the trainer's).",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,6 +213,19 @@ class RolloutService(Service):
         if latest is not None and engine.weight_version < latest.version:
             await engine.load_weights(latest)
 
+    def _inject_engine_fault(self) -> None:
+        """SIGUSR2 with rollout.fault_injection: fail the torch engine holding the most requests."""
+        from .engines.torch_engine import TorchEngine
+
+        engines = [e for e in self.router.engines.values() if isinstance(e, TorchEngine)]
+        if not engines:
+            log.warning("SIGUSR2: no torch engine to inject a fault into")
+            return
+        engine = max(engines, key=lambda e: e.num_active)
+        log.warning("SIGUSR2: injecting a device fault into engine %s (%d requests)", engine.engine_id,
+                    engine.num_active)  # fmt: skip
+        engine.inject_fault(f"injected device fault (SIGUSR2) on {engine.device_id}")
+
     async def start_engine(self, device_id: str) -> None:
         if device_id in self.router.engines:
             return
@@ -274,6 +288,8 @@ class RolloutService(Service):
             self.swapper.handle,
             durable=f"rollout-{cfg.worker_id}-weights",
         )
+        if cfg.fault_injection:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, self._inject_engine_fault)
         if cfg.scheduler_address is None:
             for device in cfg.device_ids():
                 await self.start_engine(device)

@@ -169,3 +169,37 @@ async def test_killing_the_steps_stream_leader_loses_no_message_and_no_step(
     assert caught_up == NUM_STEPS
     for bus in (observer, trajectory, rollout, admin):
         await bus.close()
+
+
+@pytest.mark.slow
+async def test_the_streams_command_scales_streams_a_service_created_with_one_replica_to_three(
+    cluster: EmbeddedNatsCluster,
+) -> None:
+    import subprocess
+    import sys
+
+    # A service that started before the declaration created the streams with 1 replica.
+    rollout = await Bus.connect(_url(cluster, auth.ADMIN), name="early-service")
+    await rollout.ensure_streams()
+    assert (await rollout.js.stream_info(STREAM)).config.num_replicas == 1
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.launcher.streams",
+        "--replicas",
+        "3",
+        "--nats-url",
+        _url(cluster, auth.ADMIN),
+    ]
+    done = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert PASSWORDS[auth.ADMIN] not in done.stdout + done.stderr  # the login is never printed
+    replicas = {
+        spec.name: (await rollout.js.stream_info(spec.name)).config.num_replicas for spec in subjects.STREAMS
+    }
+    assert set(replicas.values()) == {3}, replicas
+    again = await asyncio.to_thread(
+        subprocess.run, [*cmd[:-1], _url(cluster, "rollout")], capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0, again.stderr  # already declared: nothing to change, a reader passes too
+    await rollout.close()

@@ -13,8 +13,10 @@ import random
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from app.chaos import count_double_leases, execution_fates, plan_faults
@@ -57,6 +59,7 @@ def test_executions_live_at_a_rollout_kill_are_counted_resumed_restarted_or_unen
         _ex("resumed-failed", "KIND_STARTED", 3), _ex("resumed-failed", "KIND_RESUMED", 12),
         _ex("resumed-failed", "KIND_FAILED", 13),  # "could not resume": not saved
         _ex("stuck", "KIND_STARTED", 4),
+        _ex("resumed-running", "KIND_STARTED", 4), _ex("resumed-running", "KIND_RESUMED", 12),
         _ex("after", "KIND_STARTED", 11), _ex("after", "KIND_FINISHED", 15),
     ]  # fmt: skip
     fates = execution_fates(events, [kill])
@@ -65,6 +68,7 @@ def test_executions_live_at_a_rollout_kill_are_counted_resumed_restarted_or_unen
         "ended": "restarted",
         "resumed-failed": "restarted",
         "stuck": "unended",
+        "resumed-running": "resumed_unended",  # the job stopped while it ran
     }
     # resumed at an earlier kill, then killed again and not resumed after the second one
     twice = execution_fates([*events, _ex("x", "KIND_STARTED", 1), _ex("x", "KIND_RESUMED", 11),
@@ -144,3 +148,124 @@ def test_a_job_whose_rollout_is_killed_restarts_it_and_completes_losing_nothing(
     assert "executions_started" in stats["rollout"]  # the rollout's counters, read before it stopped
     report = (tmp_path / "run" / "report.md").read_text()
     assert re.search(r"Services restarted by the supervisor: .*rollout [1-9]\d*x", report), report[-2000:]
+
+
+def test_executions_live_at_an_engine_kill_must_finish_and_one_that_fails_or_never_ends_is_lost() -> None:
+    from app.chaos import engine_kill_fates
+
+    kill = 10.0
+    events = [
+        _ex("before", "KIND_STARTED", 1), _ex("before", "KIND_FINISHED", 5),
+        _ex("lived", "KIND_STARTED", 2), _ex("lived", "KIND_TRUNCATED", 20),
+        _ex("failed", "KIND_STARTED", 3), _ex("failed", "KIND_FAILED", 12),
+        _ex("stuck", "KIND_STARTED", 4),
+        _ex("after", "KIND_STARTED", 11), _ex("after", "KIND_FAILED", 15),
+    ]  # fmt: skip
+    assert engine_kill_fates(events, [kill]) == {"lived": "finished", "failed": "failed", "stuck": "unended"}
+    assert engine_kill_fates(events, []) == {}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_job_on_a_nats_cluster_survives_an_engine_kill_and_the_loss_of_the_steps_stream_leader(
+    tmp_path: Path,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.chaos", "examples/quickstart.yaml", "--json", "--steps", "6"]
+        + ["--targets", "engine,nats-node", "--run-dir", str(tmp_path / "run")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert proc.stdout.strip(), proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    engine, node = result["faults"]
+    assert engine["target"] == "engine" and engine["recovered"], engine
+    assert engine["detail"]["rollout_died"] is False and engine["detail"]["engine_restarts"] == 1
+    assert engine["detail"]["engine_killed"] not in engine["detail"]["engines_after"]  # a fresh one serves
+    assert engine["restarts"] == []  # no process was restarted: the rollout lived
+    assert result["engine_kill_executions_live"] > 0, result  # the kill waited for a busy engine
+    assert result["engine_kill_executions_lost"] == 0
+    assert result["engine_kill_executions_finished"] == result["engine_kill_executions_live"]
+    assert node["target"] == "nats-node" and node["recovered"], node
+    assert node["detail"]["node"] == f"nats-{node['detail']['steps_stream_leader']}"  # the leader died
+    # The node first; a service whose publish waited out a leader election (> 10 s when the killed
+    # node also led the JetStream meta group) exits and is restarted too, which the counters cover.
+    assert node["restarts"][0] == node["detail"]["node"]
+    assert set(node["restarts"][1:]) <= {"scheduler", "trajectory", "trainer", "rollout"}
+    assert result["nats_cluster_size"] == 3
+    assert result["nats_replicas_agree"] is True  # every node holds every step, the killed one too
+    assert result["nats_steps_stored_per_node"][0] >= result["steps_emitted"] > 0
+    assert result["completed"] is True
+    for counter in ("steps_lost", "paths_trained_twice", "batches_lost", "double_leases", "executions_lost"):
+        assert result[counter] == 0, (counter, result)
+    assert result["trainer_bitwise_equal"] is True
+    assert result["ok"] is True
+
+
+def test_killing_everything_reaches_the_launcher_tree_and_what_names_the_run_dir_but_not_the_killer(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launcher = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"])  # a launcher and its child
+    while not psutil.Process(launcher.pid).children():
+        time.sleep(0.05)
+    tree = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(300)"]
+    server = subprocess.Popen([*sleeper, str(run_dir / "nats" / "nats-server.conf")])  # names the run dir
+    bystander = subprocess.Popen([*sleeper, str(tmp_path / "run-other")])  # a prefix of it, not inside
+    # The killer names the run dir on its own command line, as `gyre chaos --run-dir D` does.
+    killer = subprocess.run(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from app.chaos_resume import "
+         f"kill_everything; print(kill_everything({launcher.pid}, Path(sys.argv[1])))", str(run_dir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    try:
+        assert killer.returncode == 0, killer.stderr  # it did not kill itself
+        assert int(killer.stdout) == len(tree) + 1  # the launcher's tree and the server
+        assert launcher.wait(30) == -9 and server.wait(30) == -9
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree)
+        assert bystander.poll() is None
+    finally:
+        for p in (launcher, server, bystander):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_run_whose_every_process_is_killed_resumes_its_live_executions_and_continues_its_step_count(
+    tmp_path: Path,
+) -> None:
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    raw["rollout"].update(longhorizon_min_turns=40, longhorizon_max_turns=48)  # executions live for seconds
+    config = tmp_path / "long.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.chaos", str(config), "--json", "--resume", "--steps", "12"]
+        + ["--run-dir", str(tmp_path / "run")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
+    assert proc.stdout.strip(), proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["processes_killed"] >= 6  # launcher, NATS, Postgres and the four services at least
+    assert 1 <= result["step_at_kill"] < 12
+    assert result["completed"] is True and result["steps_continuous"] is True
+    assert result["final_step"] >= 12
+    live = result["executions_live_at_kill"]
+    assert live > 0, result  # the kill waits for executions live in the event log
+    assert result["executions_resumed"] >= 0.95 * live, result  # resumed under their own ids, finished
+    for counter in ("steps_lost", "paths_trained_twice", "batches_lost", "double_leases", "executions_lost"):
+        assert result[counter] == 0, (counter, result)
+    assert result["trainer_bitwise_equal"] is True

@@ -164,7 +164,7 @@ def test_nats_is_a_jetstream_cluster_of_three_behind_a_headless_service() -> Non
     assert headless["spec"]["clusterIP"] == "None"
     conf = by_kind[("ConfigMap", "nats-config")]["data"]["nats.conf"]
     assert "jetstream" in conf
-    assert len(re.findall(r"nats://nats-\d\.nats-headless", conf)) == 3
+    assert len(re.findall(r"nats-route://\S+@nats-\d\.nats-headless", conf)) == 3
 
 
 def _section_overrides(env: dict[str, str]) -> dict[tuple[str, str], str]:
@@ -727,3 +727,129 @@ def test_the_python_rendering_of_the_gpu_overlay_equals_kubectl_kustomize() -> N
     assert set(rendered) == set(ours)
     for key, doc in ours.items():
         assert rendered[key] == doc, key
+
+
+# -- NATS as a JetStream cluster of 3 (compose override, Kubernetes StatefulSet) -----------------
+
+COMPOSE_NATS_CLUSTER = ROOT / "deploy" / "compose.nats-cluster.yml"
+NATS_NODES = ("nats", "nats-1", "nats-2")
+
+
+def _compose_nats_cluster() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_NATS_CLUSTER.read_text())
+
+
+def _compose_with_nats_cluster() -> dict[str, Any]:
+    return _compose_merge(_interpolate(_compose()), _interpolate(_compose_nats_cluster()))
+
+
+def _render_nats_conf(template: str, password: str) -> str:
+    """The config as the node's start script renders it (its sed, run here by sh)."""
+    proc = subprocess.run(
+        ["sh", "-c", 'sed "s/@ROUTE_PASSWORD@/$NATS_ROUTE_PASSWORD/g"'],
+        input=template,
+        env={"NATS_ROUTE_PASSWORD": password, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return proc.stdout
+
+
+def _nats_server_accepts(conf: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """`nats-server -t` (parse the config, resolve its variables, exit) on `conf` with `env`."""
+    from gyre.embedded import nats_server_binary
+
+    path = tmp_path / "nats.conf"
+    path.write_text(conf)
+    return subprocess.run(
+        [str(nats_server_binary()), "-t", "-c", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_the_nats_cluster_override_adds_two_nodes_and_a_stream_declaration_to_the_base_services() -> None:
+    added = set(_compose_nats_cluster()["services"]) - set(_compose()["services"])
+    assert added == {"nats-1", "nats-2", "nats-streams"}
+    merged = _compose_with_nats_cluster()["services"]
+    names = [merged[n]["environment"]["SERVER_NAME"] for n in NATS_NODES]
+    assert len(set(names)) == 3
+    data = {next(m.split(":")[0] for m in merged[n]["volumes"] if m.endswith(":/data")) for n in NATS_NODES}
+    assert len(data) == 3  # each node keeps its own JetStream store
+    for node in NATS_NODES:
+        assert "./deploy/nats/cluster.conf:/etc/nats/cluster.conf.in:ro" in merged[node]["volumes"]
+        assert merged[node]["restart"] == "unless-stopped"
+        assert "js-enabled-only" in " ".join(merged[node]["healthcheck"]["test"])
+
+
+def test_the_cluster_routes_password_is_required_not_defaulted() -> None:
+    for node in NATS_NODES:
+        value = _compose_nats_cluster()["services"][node]["environment"]["NATS_ROUTE_PASSWORD"]
+        assert re.fullmatch(r"\$\{NATS_ROUTE_PASSWORD:\?[^}]+\}", value), value  # compose refuses to start
+
+
+@pytest.mark.parametrize("name", [*SERVICES, "quickstart"])
+def test_with_the_nats_cluster_every_gyre_client_lists_the_three_servers_and_waits_for_the_streams(
+    name: str,
+) -> None:
+    service = _compose_with_nats_cluster()["services"][name]
+    urls = service["environment"]["GYRE_NATS_URL"].split(",")
+    assert urls == [f"nats://{n}:4222" for n in NATS_NODES]
+    assert service["depends_on"]["nats-streams"] == {"condition": "service_completed_successfully"}
+    assert service["depends_on"]["postgres"] == {"condition": "service_healthy"}  # the base's kept
+
+
+def test_the_stream_declaration_runs_once_all_three_nodes_are_healthy_with_three_replicas() -> None:
+    job = _compose_with_nats_cluster()["services"]["nats-streams"]
+    assert job["command"][:3] == ["python", "-m", "app.launcher.streams"]
+    assert job["command"][job["command"].index("--replicas") + 1] == "3"
+    assert {n: c["condition"] for n, c in job["depends_on"].items()} == dict.fromkeys(
+        NATS_NODES, "service_healthy"
+    )
+    assert (ROOT / "app" / "launcher" / "streams.py").is_file()
+
+
+def test_the_compose_node_config_rendered_as_the_container_does_is_a_valid_authenticated_cluster(
+    tmp_path: Path,
+) -> None:
+    template = (ROOT / "deploy" / "nats" / "cluster.conf").read_text()
+    script = _compose_nats_cluster()["services"]["nats"]["command"][0].replace("$$", "$")
+    assert 'sed "s/@ROUTE_PASSWORD@/$NATS_ROUTE_PASSWORD/g" /etc/nats/cluster.conf.in' in script
+    conf = _render_nats_conf(template, "0123abcd")
+    routes = re.findall(r"nats-route://route:([^@]+)@([\w-]+):6222", conf)
+    assert sorted(host for _, host in routes) == sorted(NATS_NODES)
+    assert {pw for pw, _ in routes} == {"0123abcd"}
+    assert re.search(r"authorization\s*\{\s*user: route\s+password: \$NATS_ROUTE_PASSWORD", conf)
+    ok = _nats_server_accepts(conf, tmp_path, SERVER_NAME="nats-0", NATS_ROUTE_PASSWORD="0123abcd")
+    assert ok.returncode == 0, ok.stderr
+    unnamed = _nats_server_accepts(conf, tmp_path, NATS_ROUTE_PASSWORD="0123abcd")
+    assert unnamed.returncode != 0 and "SERVER_NAME" in unnamed.stderr  # the variables are really read
+
+
+def test_the_kubernetes_nats_cluster_authenticates_its_routes_with_a_required_secret(tmp_path: Path) -> None:
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
+    container = by_kind[("StatefulSet", "nats")]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    secret = env["NATS_ROUTE_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert secret["name"] == "nats-routes" and not secret.get("optional", False)  # no pod without it
+    script = container["args"][0]
+    assert 'sed "s/@ROUTE_PASSWORD@/$NATS_ROUTE_PASSWORD/g" /etc/nats/nats.conf > /tmp/nats.conf' in script
+    assert script.rstrip().endswith("exec nats-server --config /tmp/nats.conf")
+    conf = _render_nats_conf(by_kind[("ConfigMap", "nats-config")]["data"]["nats.conf"], "feed42")
+    assert len(re.findall(r"nats-route://route:feed42@nats-\d\.nats-headless", conf)) == 3
+    ok = _nats_server_accepts(conf, tmp_path, SERVER_NAME="nats-0", NATS_ROUTE_PASSWORD="feed42")
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_kubernetes_job_declares_the_streams_with_one_replica_per_nats_server() -> None:
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
+    replicas = by_kind[("StatefulSet", "nats")]["spec"]["replicas"]
+    container = by_kind[("Job", "nats-streams")]["spec"]["template"]["spec"]["containers"][0]
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "app.launcher.streams"]
+    assert int(command[command.index("--replicas") + 1]) == replicas == 3
+    url = next(e["value"] for e in container["env"] if e["name"] == "GYRE_NATS_URL")
+    assert [re.match(r"nats://(nats-\d)\.", u)[1] for u in url.split(",")] == [f"nats-{i}" for i in range(3)]  # type: ignore[index]

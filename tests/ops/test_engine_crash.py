@@ -83,3 +83,35 @@ async def test_a_rollout_whose_engine_crashes_restarts_it_keeps_serving_and_lose
     assert set(ended) == {f"lh-0000{t}-g0-e{k}" for t in range(4) for k in range(2)}
     assert not [e for e in ended.values() if e.kind == E.KIND_FAILED], ended
     assert status.executions_interrupted == 0
+
+
+async def test_an_injected_device_fault_fails_the_engine_like_a_crash_answering_held_requests_with_their_tokens() -> (
+    None
+):
+    from gyre.model import ModelConfig
+    from services.rollout.engines.base import EngineFailed, GenerationRequest, Sampling
+    from services.rollout.engines.torch_engine import EngineFault, TorchEngine
+
+    failures: list[BaseException] = []
+    engine = TorchEngine(
+        "d0-e1",
+        "d0",
+        ModelConfig.model_validate({}),
+        init_seed=1,
+        on_failure=lambda e, exc: failures.append(exc),
+    )
+    await engine.start()
+    request = GenerationRequest(
+        "r0", [1, 2, 3], Sampling(max_tokens=200, stop_token_ids=()), execution_id="x0"
+    )
+    pending = asyncio.ensure_future(engine.generate(request))
+    while engine.tokens_generated < 3:  # noqa: ASYNC110 (polling the engine: it is decoding)
+        await asyncio.sleep(0.01)
+    engine.inject_fault("injected device fault (test)")
+    with pytest.raises(EngineFailed) as raised:
+        await pending
+    await asyncio.sleep(0)  # the done-callback runs
+    assert 0 < len(raised.value.partial.token_ids) < 200  # cut where it was, tokens kept for the resume
+    assert len(failures) == 1 and isinstance(failures[0], EngineFault)
+    with pytest.raises(EngineFailed):
+        await engine.generate(request)  # a failed engine takes nothing more

@@ -178,6 +178,46 @@ def test_a_killed_embedded_nats_server_comes_back_on_its_port_with_its_streams_a
 
 
 @pytest.mark.slow
+@needs_light
+def test_a_deployment_on_a_three_node_nats_cluster_replicates_its_streams_and_restarts_a_killed_node(
+    tmp_path: Path, database_url: str
+) -> None:
+    from app.launcher import Deployment
+    from app.launcher.credentials import RunCredentials
+    from gyre.bus import Bus, auth
+
+    async def steps_stream() -> tuple[int, str]:
+        bus = await Bus.connect(creds.nats_url(cluster.url, auth.ADMIN), name="test")
+        try:
+            info = await bus.js.stream_info("GYRE_STEPS")
+        finally:
+            await bus.close()
+        assert info.cluster is not None and info.cluster.leader
+        return int(info.config.num_replicas or 1), info.cluster.leader
+
+    config = _config(tmp_path, nats_cluster_size=3)
+    with Deployment(config, database_url=database_url) as deployment:
+        cluster = deployment.embedded("nats")
+        creds = RunCredentials.load_or_create(tmp_path / "run")
+        replicas, leader = asyncio.run(steps_stream())
+        # The scheduler got every node's URL, each with its own NATS user (not the admin's).
+        service_urls = deployment._spawn_env[LIGHT]["GYRE_NATS_URL"].split(",")
+        observer_urls = deployment.endpoints.nats_url.split(",")
+        killed = cluster.index_of(leader)
+        cluster.kill(killed)
+        name = f"nats-n{killed}"
+        _wait(lambda: any(r.service == name and r.serving_at for r in deployment.restarts), 90, name)
+        back = cluster.nodes[killed].pid is not None
+        leader_after = cluster.wait_for_meta_leader(30.0)
+        scheduler_health = check(deployment.endpoints.services[LIGHT].grpc_address)
+    assert replicas == 3
+    assert len(service_urls) == 3 and all(auth.user_of(u) == LIGHT for u in service_urls)
+    assert len(observer_urls) == 3 and all(auth.user_of(u) == auth.OBSERVER for u in observer_urls)
+    assert back and leader_after in cluster.server_names()
+    assert scheduler_health == "SERVING"
+
+
+@pytest.mark.slow
 def test_an_engine_whose_loop_raises_fails_its_pending_requests_and_its_service_exits_1(
     nats_url: str, database_url: str
 ) -> None:

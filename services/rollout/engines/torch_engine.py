@@ -71,6 +71,10 @@ class _Sequence:
         return len(self.request.prompt_ids) + len(self.out.token_ids)
 
 
+class EngineFault(RuntimeError):
+    """An injected device fault (TorchEngine.inject_fault): the engine's loop dies with it."""
+
+
 class TorchEngine(Engine):
     def __init__(
         self,
@@ -105,6 +109,7 @@ class TorchEngine(Engine):
         self._drained = asyncio.Event()
         self._tokens_generated = 0
         self._failure: BaseException | None = None  # why the loop died, once it did
+        self._injected_fault: str | None = None  # set by inject_fault: the loop raises it next step
         self._pacer = pacer or Pacer()  # off unless devices.pacing is on
         self._stall_until = 0.0  # paced: no admission before this monotonic time (weight sync)
         self._held_since: float | None = None  # pacer-clock time the decode batch last became non-empty
@@ -242,6 +247,13 @@ class TorchEngine(Engine):
         self._model = None
         release_device_memory(self.torch_device)
 
+    def inject_fault(self, reason: str) -> None:
+        """Chaos testing (rollout.fault_injection): the loop raises EngineFault(`reason`) at its next
+        step, exactly as if its device failed there; what follows is the real crash path (every held
+        request answered EngineFailed with its tokens so far, `on_failure` called)."""
+        self._injected_fault = reason
+        self._wake.set()
+
     # -- the loop ----------------------------------------------------------------------------
     async def _loop(self) -> None:
         try:
@@ -251,9 +263,12 @@ class TorchEngine(Engine):
                     or self._running
                     or self._pending_weights
                     or self._state is not EngineState.SERVING
+                    or self._injected_fault
                 ):
                     self._wake.clear()
                     await self._wake.wait()
+                if self._injected_fault:
+                    raise EngineFault(self._injected_fault)
                 await self._apply_weights()
                 if self._state is not EngineState.SERVING:
                     self._cut_all()
