@@ -1,0 +1,100 @@
+"""Megatron tensor and context parallelism on real gloo ranks give the loss and gradients of the
+single-process model on the same weights and batch (float64, rtol 1e-6)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gyre.model import ModelConfig, build_model
+from gyre.model.trees import random_tree
+from gyre.model.weights import weights_state
+from services.trainer.loss import LossSettings, batch_logprobs
+from tests.trainer.helpers import batch_from_tree
+from tests.trainer.parallel_ranks import reference_loss_and_grads, run_parallel
+
+RTOL, ATOL = 1e-6, 1e-10
+
+# A Llama-like model (RMSNorm, SwiGLU, RoPE, GQA, untied output) and a GPT-2-like one (LayerNorm,
+# GeLU, biases everywhere, learned positions, tied embeddings): every kind of sharded parameter.
+CONFIGS = {
+    "llama": ModelConfig(num_query_groups=2),
+    "gpt2": ModelConfig(
+        normalization="LayerNorm",
+        swiglu=False,
+        add_bias_linear=True,
+        position_embedding="learned",
+        tie_embeddings=True,
+        ffn_hidden_size=128,
+    ),
+}
+
+
+def _case(name: str, seed: int) -> dict[str, Any]:
+    cfg = CONFIGS[name]
+    model = build_model(cfg, dtype=torch.float64, seed=seed)
+    ref = build_model(cfg, dtype=torch.float64, seed=seed + 100).requires_grad_(False)
+    rng = random.Random(seed)
+    batch = batch_from_tree(random_tree(rng, 10, max_len=5, num_roots=2), rng)
+    batch = batch.to("cpu", torch.float64)
+    with torch.no_grad():  # behaviour near the model's, so some ratios clip and some do not
+        lp = batch_logprobs(model, batch)
+    noise = torch.tensor([rng.uniform(-0.4, 0.4) for _ in range(batch.num_tokens)], dtype=torch.float64)
+    batch.behaviour_logprobs = torch.where(batch.loss_mask, lp + noise, torch.zeros_like(lp))
+    settings = LossSettings(kl_coef=0.05, entropy_coef=0.1, entropy_target=5.0, chunk_tokens=7)
+    loss, grads = reference_loss_and_grads(model, batch, settings, ref)
+    return {
+        "cfg": cfg,
+        "weights": weights_state(model),
+        "ref_weights": weights_state(ref),
+        "batch": batch,
+        "settings": settings,
+        "expected_loss": loss,
+        "expected_grads": grads,
+    }
+
+
+def _run(tp: int, cp: int, tmp_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    cases = [_case("llama", 0), _case("gpt2", 1)]
+    sent = [{k: v for k, v in c.items() if not k.startswith("expected")} for c in cases]
+    return cases, run_parallel(tp, cp, sent, tmp_path)
+
+
+def _check_equal_to_single_process(cases: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> None:
+    for i, case in enumerate(cases):
+        assert case["batch"].num_tokens >= 20 and len(case["expected_grads"]) >= 10
+        for rank in ranks:
+            got = rank["results"][i]
+            torch.testing.assert_close(got["loss"], case["expected_loss"], rtol=RTOL, atol=0)
+            assert got["grads"].keys() == case["expected_grads"].keys()
+            for name, expected in case["expected_grads"].items():
+                assert float(expected.abs().max()) > 0, name  # every parameter really gets a gradient
+                torch.testing.assert_close(got["grads"][name], expected, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_tensor_parallel_two_ranks_give_the_single_process_loss_and_every_gradient(tmp_path):
+    cases, ranks = _run(2, 1, tmp_path)
+    assert [(r["layout"].tp_size, r["layout"].tp_rank) for r in ranks] == [(2, 0), (2, 1)]
+    _check_equal_to_single_process(cases, ranks)
+
+
+def test_context_parallel_two_ranks_split_the_tokens_and_their_losses_add_up_to_the_whole(tmp_path):
+    cases, ranks = _run(1, 2, tmp_path)
+    assert [(r["layout"].cp_size, r["layout"].cp_rank) for r in ranks] == [(2, 0), (2, 1)]
+    for i, case in enumerate(cases):
+        counts = [r["results"][i]["metrics"]["num_tokens"] for r in ranks]
+        assert sum(counts) == case["batch"].num_tokens and min(counts) > 0  # each rank holds a part
+        local = [float(r["results"][i]["local_loss"]) for r in ranks]
+        assert local[0] != pytest.approx(local[1])  # the ranks compute different terms
+    _check_equal_to_single_process(cases, ranks)
+
+
+@pytest.mark.slow
+def test_tensor_and_context_parallel_together_on_four_ranks_give_the_single_process_gradients(tmp_path):
+    cases, ranks = _run(2, 2, tmp_path)
+    assert sorted((r["layout"].tp_rank, r["layout"].cp_rank) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    _check_equal_to_single_process(cases, ranks)
