@@ -100,7 +100,9 @@ def init_model_parallel(tensor_parallel_size: int, context_parallel_size: int = 
     if tensor_parallel_size < 1 or context_parallel_size < 1:
         raise InvalidArgument("tensor and context parallel sizes must be >= 1")
     if not dist.is_initialized():
-        raise InvalidArgument("init_model_parallel needs torch.distributed initialised (world = TP x CP x DP)")
+        raise InvalidArgument(
+            "init_model_parallel needs torch.distributed initialised (world = TP x CP x DP)"
+        )
     world = dist.get_world_size()
     if world % (tensor_parallel_size * context_parallel_size):
         raise InvalidArgument(
@@ -184,7 +186,9 @@ def gather_sequence(x: torch.Tensor, dim: int, num_tokens: int, mp: ModelParalle
         return x
     sizes = [b - a for a, b in (cp_token_range(num_tokens, mp.cp_size, r) for r in range(mp.cp_size))]
     if x.shape[dim] != sizes[mp.cp_rank]:
-        raise InvalidArgument(f"CP rank {mp.cp_rank} holds {x.shape[dim]} tokens, expected {sizes[mp.cp_rank]}")
+        raise InvalidArgument(
+            f"CP rank {mp.cp_rank} holds {x.shape[dim]} tokens, expected {sizes[mp.cp_rank]}"
+        )
     out: torch.Tensor = _GatherAlong.apply(x, dim, sizes, mp.cp_rank, mp.cp_group, True)
     return out
 

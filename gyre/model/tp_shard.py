@@ -53,9 +53,13 @@ def shard_of(model: Any, name: str, full: torch.Tensor, tp_size: int, tp_rank: i
         return full
     if _is_glu_fc1(model, name):
         gate, up = full.chunk(2, dim=dim)
-        return torch.cat([gate.chunk(tp_size, dim=dim)[tp_rank], up.chunk(tp_size, dim=dim)[tp_rank]], dim=dim)
+        return torch.cat(
+            [gate.chunk(tp_size, dim=dim)[tp_rank], up.chunk(tp_size, dim=dim)[tp_rank]], dim=dim
+        )
     if full.shape[dim] % tp_size:
-        raise InvalidArgument(f"{name}: dimension {dim} of {tuple(full.shape)} does not split over {tp_size} ranks")
+        raise InvalidArgument(
+            f"{name}: dimension {dim} of {tuple(full.shape)} does not split over {tp_size} ranks"
+        )
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
@@ -69,7 +73,9 @@ def load_full_weights(model: Any, full: Mapping[str, torch.Tensor]) -> None:
     unknown = sorted(set(full) - set(params))
     missing = sorted(set(params) - set(full))
     if unknown or missing:
-        raise InvalidArgument(f"full weights do not match the model: missing {missing[:5]}, unknown {unknown[:5]}")
+        raise InvalidArgument(
+            f"full weights do not match the model: missing {missing[:5]}, unknown {unknown[:5]}"
+        )
     with torch.no_grad():
         for name, param in params.items():
             shard = shard_of(model, name, full[name], mp.tp_size, mp.tp_rank)

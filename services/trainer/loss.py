@@ -202,7 +202,9 @@ def _logprobs_entropy_owned(
     num_tokens = batch.num_tokens
     if mp.cp_size == 1:
         hidden = hidden_states(model, batch.token_ids[None], batch.position_ids[None], layout)[0]
-        picked, entropy = _next_token_stats(model, mp, hidden[pred.clamp(min=0)], batch.token_ids, chunk_tokens)
+        picked, entropy = _next_token_stats(
+            model, mp, hidden[pred.clamp(min=0)], batch.token_ids, chunk_tokens
+        )
         zero = torch.zeros_like(picked)
         return torch.where(has, picked, zero), torch.where(has, entropy, zero), None
     lo, hi = cp_token_range(num_tokens, mp.cp_size, mp.cp_rank)
@@ -217,7 +219,9 @@ def _logprobs_entropy_owned(
     owner = torch.where(has, pred, torch.arange(num_tokens, device=device))
     owned = (owner >= lo) & (owner < hi)
     idx = owned.nonzero()[:, 0]
-    picked, entropy = _next_token_stats(model, mp, hidden[owner[idx] - lo], batch.token_ids[idx], chunk_tokens)
+    picked, entropy = _next_token_stats(
+        model, mp, hidden[owner[idx] - lo], batch.token_ids[idx], chunk_tokens
+    )
     logprob_all = picked.new_zeros(num_tokens).index_put((idx,), torch.where(has[idx], picked, 0.0))
     entropy_all = entropy.new_zeros(num_tokens).index_put((idx,), torch.where(has[idx], entropy, 0.0))
     return logprob_all, entropy_all, owned

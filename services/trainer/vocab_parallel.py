@@ -90,7 +90,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
                 dz -= g * p
                 mine = owned[start:stop, None]
                 dz.scatter_add_(
-                    -1, local_target[start:stop, None].clamp(0, v_local - 1), torch.where(mine, g, torch.zeros_like(g))
+                    -1,
+                    local_target[start:stop, None].clamp(0, v_local - 1),
+                    torch.where(mine, g, torch.zeros_like(g)),
                 )
             if grad_entropy is not None:
                 e = grad_entropy[start:stop, None].to(dz.dtype)

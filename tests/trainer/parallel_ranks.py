@@ -51,7 +51,8 @@ def _rank_main(rank: int, world: int, port: int, tp: int, cp: int, job: dict[str
         layout = init_model_parallel(tp, cp)
         results: list[dict[str, Any]] = []
         for case in job["cases"]:
-            model = build_model(case["cfg"], dtype=torch.float64, seed=rank + 7)  # any seed: weights are loaded
+            # any seed: the weights are loaded
+            model = build_model(case["cfg"], dtype=torch.float64, seed=rank + 7)
             load_full_weights(model, case["weights"])
             ref_model = None
             if case.get("ref_weights") is not None:
@@ -81,5 +82,7 @@ def run_parallel(tp: int, cp: int, cases: list[dict[str, Any]], out: Path) -> li
     """Run every case (cfg, weights, batch, settings, ref_weights) on TP x CP gloo ranks; the saved
     results of every rank, in rank order."""
     world = tp * cp
-    mp.spawn(_rank_main, args=(world, free_port(), tp, cp, {"cases": cases}, str(out)), nprocs=world, join=True)
+    mp.spawn(
+        _rank_main, args=(world, free_port(), tp, cp, {"cases": cases}, str(out)), nprocs=world, join=True
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]

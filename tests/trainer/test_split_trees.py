@@ -90,7 +90,7 @@ def test_split_tree_parts_sum_to_the_whole_tree_loss_and_gradients(seed, budget)
 def test_a_training_step_with_a_budget_below_the_tree_size_takes_the_step_of_the_whole_tree():
     cfg = ModelConfig(num_query_groups=2)
     model = build_model(cfg, dtype=torch.float64, seed=3)
-    twin = build_model(cfg, dtype=torch.float64, seed=3)  # the same weights (a deepcopy cannot copy process groups)
+    twin = build_model(cfg, dtype=torch.float64, seed=3)  # same weights (deepcopy can't copy process groups)
     batch = _batch(shared_prefix_tree(12, 4, 5, depth=2), 3)
     settings = LossSettings(entropy_coef=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

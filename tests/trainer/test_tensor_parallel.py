@@ -96,5 +96,6 @@ def test_context_parallel_two_ranks_split_the_tokens_and_their_losses_add_up_to_
 @pytest.mark.slow
 def test_tensor_and_context_parallel_together_on_four_ranks_give_the_single_process_gradients(tmp_path):
     cases, ranks = _run(2, 2, tmp_path)
-    assert sorted((r["layout"].tp_rank, r["layout"].cp_rank) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    grid = sorted((r["layout"].tp_rank, r["layout"].cp_rank) for r in ranks)
+    assert grid == [(0, 0), (0, 1), (1, 0), (1, 1)]
     _check_equal_to_single_process(cases, ranks)
