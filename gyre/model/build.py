@@ -60,21 +60,13 @@ def build_model(
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
-    """InvalidArgument unless `cfg` splits evenly over `tp_size` ranks: query heads, key/value heads
-    (each rank holds whole query groups), MLP width and vocabulary rows."""
+    """InvalidArgument unless `cfg` splits evenly over `tp_size` ranks (`tensor_parallel_problem`)."""
     from gyre.errors import InvalidArgument
+    from gyre.model.config import tensor_parallel_problem
 
-    if tp_size == 1:
-        return
-    sizes = {
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_query_groups (kv heads)": cfg.kv_heads,
-        "ffn_hidden_size": cfg.ffn_hidden_size,
-        "vocab_size": cfg.vocab_size,
-    }
-    bad = [f"{name} {value}" for name, value in sizes.items() if value % tp_size]
-    if bad:
-        raise InvalidArgument(f"tensor parallel size {tp_size} must divide {', '.join(bad)}")
+    problem = tensor_parallel_problem(cfg, tp_size)
+    if problem:
+        raise InvalidArgument(problem)
 
 
 def model_config_of(model: Any) -> ModelConfig:
