@@ -41,7 +41,7 @@ def reference_loss_and_grads(
 def _rank_main(rank: int, world: int, port: int, tp: int, cp: int, job: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
-    from gyre.model import build_model
+    from gyre.model import build_model, tree_logits
     from gyre.model.parallel import init_model_parallel, reduce_context_parallel_grads
     from gyre.model.tp_shard import gather_full, load_full_weights
 
@@ -58,7 +58,12 @@ def _rank_main(rank: int, world: int, port: int, tp: int, cp: int, job: dict[str
             if case.get("ref_weights") is not None:
                 ref_model = build_model(case["cfg"], dtype=torch.float64, seed=0).requires_grad_(False)
                 load_full_weights(ref_model, case["ref_weights"])
-            loss, metrics = tree_loss(model, case["batch"], case["settings"], ref_model)
+            b = case["batch"]
+            with torch.no_grad():  # the scoring path: full-vocabulary logits on every rank
+                logits = tree_logits(
+                    model, b.token_ids, b.position_ids, b.node_offsets, b.node_lengths, b.node_parents
+                )
+            loss, metrics = tree_loss(model, b, case["settings"], ref_model)
             loss.backward()
             reduce_context_parallel_grads(model, model.gyre_parallel)
             grads = gather_full(model, {n: p.grad for n, p in model.named_parameters()})
@@ -71,18 +76,50 @@ def _rank_main(rank: int, world: int, port: int, tp: int, cp: int, job: dict[str
                     "local_loss": loss.detach(),
                     "grads": {n: g.detach().clone() for n, g in grads.items()},
                     "metrics": metrics,
+                    "logits": logits,
                 }
             )
+        if "vocab" in job and cp == 1:
+            results.append(_vocab_parallel_check(layout, job["vocab"]))
         torch.save({"layout": layout, "results": results}, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def run_parallel(tp: int, cp: int, cases: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
-    """Run every case (cfg, weights, batch, settings, ref_weights) on TP x CP gloo ranks; the saved
+def _vocab_parallel_check(layout: Any, vocab: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Vocabulary-parallel chunked log-prob/entropy of full `hidden`/`weight`/`targets` on this rank's
+    vocabulary rows, backpropagated with upstream gradients `g_logprob`/`g_entropy`; the weight's
+    gradient gathered back to full shape."""
+    import torch.distributed as dist
+
+    from services.trainer.vocab_parallel import vocab_parallel_logprob_entropy
+
+    hidden = vocab["hidden"].clone().requires_grad_(True)
+    shard = vocab["weight"].chunk(layout.tp_size)[layout.tp_rank].clone().requires_grad_(True)
+    logprob, entropy = vocab_parallel_logprob_entropy(
+        hidden, shard, vocab["targets"], int(vocab["chunk_tokens"]), layout.tp_rank, layout.tp_group
+    )
+    ((logprob * vocab["g_logprob"]).sum() + (entropy * vocab["g_entropy"]).sum()).backward()
+    assert shard.grad is not None and hidden.grad is not None
+    pieces = [torch.empty_like(shard.grad) for _ in range(layout.tp_size)]
+    dist.all_gather(pieces, shard.grad, group=layout.tp_group)
+    return {
+        "logprob": logprob.detach(),
+        "entropy": entropy.detach(),
+        "grad_hidden": hidden.grad,
+        "grad_weight": torch.cat(pieces),
+    }
+
+
+def run_parallel(
+    tp: int, cp: int, cases: list[dict[str, Any]], out: Path, vocab: dict[str, torch.Tensor] | None = None
+) -> list[dict[str, Any]]:
+    """Run every case (cfg, weights, batch, settings, ref_weights) on TP x CP gloo ranks, and with
+    `vocab` the vocabulary-parallel check after them (its result is each rank's last); the saved
     results of every rank, in rank order."""
     world = tp * cp
-    mp.spawn(
-        _rank_main, args=(world, free_port(), tp, cp, {"cases": cases}, str(out)), nprocs=world, join=True
-    )
+    job: dict[str, Any] = {"cases": cases}
+    if vocab is not None:
+        job["vocab"] = vocab
+    mp.spawn(_rank_main, args=(world, free_port(), tp, cp, job, str(out)), nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]

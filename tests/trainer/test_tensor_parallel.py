@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from gyre.model import ModelConfig, build_model
+from gyre.model import ModelConfig, build_model, tree_logits
 from gyre.model.trees import random_tree
 from gyre.model.weights import weights_state
+from services.trainer.chunked_softmax import full_logprob_entropy
 from services.trainer.loss import LossSettings, batch_logprobs
 from tests.trainer.helpers import batch_from_tree
 from tests.trainer.parallel_ranks import reference_loss_and_grads, run_parallel
@@ -47,6 +48,11 @@ def _case(name: str, seed: int) -> dict[str, Any]:
     batch.behaviour_logprobs = torch.where(batch.loss_mask, lp + noise, torch.zeros_like(lp))
     settings = LossSettings(kl_coef=0.05, entropy_coef=0.1, entropy_target=5.0, chunk_tokens=7)
     loss, grads = reference_loss_and_grads(model, batch, settings, ref)
+    with torch.no_grad():
+        b = batch
+        logits = tree_logits(
+            model, b.token_ids, b.position_ids, b.node_offsets, b.node_lengths, b.node_parents
+        )
     return {
         "cfg": cfg,
         "weights": weights_state(model),
@@ -55,20 +61,53 @@ def _case(name: str, seed: int) -> dict[str, Any]:
         "settings": settings,
         "expected_loss": loss,
         "expected_grads": grads,
+        "expected_logits": logits,
     }
 
 
-def _run(tp: int, cp: int, tmp_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _vocab_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 23, 16, 64
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[:4] = torch.tensor([0, v // 2 - 1, v // 2, v - 1])  # both sides of the shard boundary
+    return {
+        "hidden": torch.randn(n, h, generator=g, dtype=torch.float64),
+        "weight": torch.randn(v, h, generator=g, dtype=torch.float64),
+        "targets": targets,
+        "g_logprob": torch.randn(n, generator=g, dtype=torch.float64),
+        "g_entropy": torch.randn(n, generator=g, dtype=torch.float64),
+        "chunk_tokens": torch.tensor(6),
+    }
+
+
+def _run(tp: int, cp: int, tmp_path: Path, vocab: dict[str, torch.Tensor] | None = None) -> tuple[Any, Any]:
     cases = [_case("llama", 0), _case("gpt2", 1)]
     sent = [{k: v for k, v in c.items() if not k.startswith("expected")} for c in cases]
-    return cases, run_parallel(tp, cp, sent, tmp_path)
+    return cases, run_parallel(tp, cp, sent, tmp_path, vocab)
+
+
+def _worst_gaps(cases: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> tuple[float, float]:
+    """Largest relative loss gap and largest |grad - expected| / max |expected| over parameters."""
+    loss_gap = grad_gap = 0.0
+    for i, case in enumerate(cases):
+        for rank in ranks:
+            got = rank["results"][i]
+            loss_gap = max(loss_gap, float(abs(got["loss"] / case["expected_loss"] - 1)))
+            for name, e in case["expected_grads"].items():
+                grad_gap = max(grad_gap, float((got["grads"][name] - e).abs().max() / e.abs().max()))
+    return loss_gap, grad_gap
 
 
 def _check_equal_to_single_process(cases: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> None:
+    loss_gap, grad_gap = _worst_gaps(cases, ranks)
+    layout = ranks[0]["layout"]
+    print(f"TP={layout.tp_size} CP={layout.cp_size}: loss rel gap {loss_gap:.1e}, grad gap {grad_gap:.1e}")
     for i, case in enumerate(cases):
         assert case["batch"].num_tokens >= 20 and len(case["expected_grads"]) >= 10
         for rank in ranks:
             got = rank["results"][i]
+            # the scoring path (tree_logits) runs the whole sequence on every rank, full vocabulary
+            torch.testing.assert_close(got["logits"], case["expected_logits"], rtol=RTOL, atol=ATOL)
             torch.testing.assert_close(got["loss"], case["expected_loss"], rtol=RTOL, atol=0)
             assert got["grads"].keys() == case["expected_grads"].keys()
             for name, expected in case["expected_grads"].items():
@@ -76,10 +115,23 @@ def _check_equal_to_single_process(cases: list[dict[str, Any]], ranks: list[dict
                 torch.testing.assert_close(got["grads"][name], expected, rtol=RTOL, atol=ATOL, msg=name)
 
 
-def test_tensor_parallel_two_ranks_give_the_single_process_loss_and_every_gradient(tmp_path):
-    cases, ranks = _run(2, 1, tmp_path)
+def test_tensor_parallel_two_ranks_give_the_single_process_logits_loss_and_every_gradient(tmp_path):
+    vocab = _vocab_inputs()
+    cases, ranks = _run(2, 1, tmp_path, vocab)
     assert [(r["layout"].tp_size, r["layout"].tp_rank) for r in ranks] == [(2, 0), (2, 1)]
     _check_equal_to_single_process(cases, ranks)
+
+    # The vocabulary-parallel chunked log-prob/entropy equal the full (T x V, one rank) computation.
+    hidden = vocab["hidden"].clone().requires_grad_(True)
+    weight = vocab["weight"].clone().requires_grad_(True)
+    logprob, entropy = full_logprob_entropy(hidden, weight, vocab["targets"])
+    ((logprob * vocab["g_logprob"]).sum() + (entropy * vocab["g_entropy"]).sum()).backward()
+    for rank in ranks:
+        got = rank["results"][-1]
+        torch.testing.assert_close(got["logprob"], logprob.detach(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got["entropy"], entropy.detach(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got["grad_hidden"], hidden.grad, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got["grad_weight"], weight.grad, rtol=RTOL, atol=ATOL)
 
 
 def test_context_parallel_two_ranks_split_the_tokens_and_their_losses_add_up_to_the_whole(tmp_path):
