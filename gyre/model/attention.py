@@ -120,6 +120,20 @@ class TreeLayout:
         idx = torch.arange(self.num_tokens, device=device)
         return anc[node[:, None], node[None, :]] & (idx[None, :] <= idx[:, None])
 
+    def dense_mask_rows(self, start: int, stop: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[stop - start, T] bool: the dense mask's rows of queries [start, stop) (a context-parallel
+        rank's queries against every key), built once per layout and device and cached, so the
+        policy's and the reference model's forward of one micro-batch share it."""
+        key = f"rows:{start}:{stop}:{device}"
+        if key not in self._block_masks:
+            node = self.node_of_token(device)
+            anc = self.ancestor_matrix(device)
+            idx = torch.arange(self.num_tokens, device=device)
+            rows = idx[start:stop]
+            self._block_masks[key] = anc[node[rows][:, None], node[None, :]] & (idx[None, :] <= rows[:, None])
+        mask: torch.Tensor = self._block_masks[key]
+        return mask
+
     def node_groups(self) -> list[_NodeGroup]:
         """The non-empty nodes grouped by the token counts along their chains (empty nodes skipped),
         computed once per layout: the nodes of a group have the same query count and key layout, so

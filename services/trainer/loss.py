@@ -208,7 +208,7 @@ def _logprobs_entropy_owned(
         zero = torch.zeros_like(picked)
         return torch.where(has, picked, zero), torch.where(has, entropy, zero), None
     lo, hi = cp_token_range(num_tokens, mp.cp_size, mp.cp_rank)
-    rows = DenseMask(layout.dense_mask(device)[lo:hi][None, None])  # this rank's queries x all keys
+    rows = DenseMask(layout.dense_mask_rows(lo, hi, device)[None, None])  # this rank's queries x all keys
 
     def gather_kv(_layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return gather_sequence(k, 2, num_tokens, mp), gather_sequence(v, 2, num_tokens, mp)
