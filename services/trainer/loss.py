@@ -39,6 +39,12 @@ The algorithm (why these terms; docs/trainer.md, "The RL algorithm"):
   reward variance and so every advantage is zero, and nothing can move the policy again (a stall).
 - KL to a reference model (optional, `kl_coef`) uses the k3 estimator exp(ref - logp) - (ref - logp) - 1.
 
+Parallel layouts (docs/trainer.md, "Parallelism"): under Megatron tensor parallelism every TP rank
+computes the same loss, with log-prob and entropy vocabulary-parallel (services/trainer/vocab_parallel.py);
+under context parallelism each CP rank computes the terms of the tokens it owns (those its slice's
+hidden states predict), so the CP ranks' losses and gradients add up to the micro-batch's, and its
+metrics count those tokens only.
+
 Metrics (token means over trained tokens, unweighted): `entropy` (nats), `kl_behaviour` (k3
 estimate of KL(behaviour || policy), the drift since the tokens were sampled: (r - 1) - log r),
 `clip_fraction` (ratios outside [1 - eps_low, 1 + eps_high]), `ratio_mean`, `kl_mean` (to the
