@@ -24,8 +24,9 @@ not a ring: tree masks are not causal in the sequence index (a branch does not s
 before it), so a ring's rule "skip blocks above the diagonal" does not apply and each step would
 need its own mask block anyway; the all-gather sends the same bytes as a full ring in one
 collective and keeps our attention kernels as they are. Memory cost per rank and layer: the full
-sequence's K and V (2 x T x kv_heads/TP x head_dim values) instead of T/CP, plus the mask rows
-(T/CP x T booleans, built once per micro-batch); activations of everything else are T/CP.
+sequence's K and V (2 x T x kv_heads/TP x head_dim values) instead of T/CP, plus the mask of its
+rows (`gyre.model.attention.TreeRows`: T/CP x T booleans on CPU, a block mask on CUDA; built once per
+micro-batch); activations of everything else are T/CP.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from gyre.errors import InvalidArgument
-from gyre.model.attention import DenseMask, TreeLayout
+from gyre.model.attention import TreeLayout, TreeRows
 from gyre.model.forward import hidden_states, predecessor_index
 from gyre.model.parallel import NOT_PARALLEL, ModelParallel, cp_token_range, gather_sequence
 from services.trainer.batch import PackedBatch
@@ -214,7 +214,7 @@ def _logprobs_entropy_owned(
         zero = torch.zeros_like(picked)
         return torch.where(has, picked, zero), torch.where(has, entropy, zero), None
     lo, hi = cp_token_range(num_tokens, mp.cp_size, mp.cp_rank)
-    rows = DenseMask(layout.dense_mask_rows(lo, hi, device)[None, None])  # this rank's queries x all keys
+    rows = TreeRows(layout, lo, hi)  # this rank's queries against every key
 
     def gather_kv(_layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return gather_sequence(k, 2, num_tokens, mp), gather_sequence(v, 2, num_tokens, mp)

@@ -1,6 +1,7 @@
 """Sharding full weights for tensor parallelism follows Megatron's layouts: every split parameter's
 shards put back together give the full tensor, SwiGLU's fc1 shards are [gate_r; up_r], the fused
-q/k/v is cut by whole query groups, and a mismatch is refused."""
+q/k/v is cut by whole query groups, and a mismatch is refused; a context-parallel rank's slice of
+queries attends exactly like those rows of the whole tree (dense rows and flex)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from gyre.errors import InvalidArgument
 from gyre.model import ModelConfig, build_model
-from gyre.model.attention import TreeLayout
+from gyre.model.attention import TreeLayout, TreeRows, attend
 from gyre.model.tp_shard import load_full_weights, shard_of
 from gyre.model.weights import weights_state
 
@@ -61,3 +62,16 @@ def test_loading_full_weights_refuses_missing_names_and_copies_the_rest():
 def test_dense_mask_rows_are_the_rows_of_the_dense_mask():
     layout = TreeLayout(9, [0, 3, 6], [3, 3, 3], [-1, 0, 0])
     assert torch.equal(layout.dense_mask_rows(4, 9), layout.dense_mask()[4:9])
+
+
+def test_a_context_parallel_slice_of_queries_attends_like_those_rows_of_the_whole_tree():
+    layout = TreeLayout(40, [0, 12, 22, 30], [12, 10, 8, 10], [-1, 0, 0, 1])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    whole = attend(q, k, v, layout, "dense")
+    for start, stop in ((0, 20), (20, 40), (13, 31)):
+        rows = TreeRows(layout, start, stop)
+        sliced = attend(q[:, :, start:stop], k, v, rows, "dense")
+        torch.testing.assert_close(sliced, whole[:, :, start:stop], rtol=1e-12, atol=1e-12)
+        flex = attend(q[:, :, start:stop], k, v, rows, "flex")  # CPU: forward only
+        torch.testing.assert_close(flex, whole[:, :, start:stop], rtol=1e-8, atol=1e-8)
