@@ -143,7 +143,8 @@ class PackedBatch:
 
         A tree larger than `max_tokens` is split along its nodes into parts that carry their
         ancestors as recomputed, untrained context (`split_trees.split_tree`: parts of at most
-        max(max_tokens, the tree's longest path) tokens); whole trees and parts are packed in order.
+        max(max_tokens, the tree's longest path) tokens, unless that recomputes more than the tree's
+        own tokens, when it stays whole); whole trees and parts are packed in order.
         The loss is a sum over tokens and every token is trained in exactly one micro-batch, so the
         micro-batches' losses and gradients add up to the batch's."""
         groups: list[list[TreePart]] = [[]]

@@ -46,6 +46,15 @@ def test_a_chain_longer_than_the_budget_stays_whole_and_small_trees_are_not_spli
     assert len(small) == 1 and small[0].trained is None
 
 
+def test_a_tree_whose_parts_would_recompute_more_than_the_bound_stays_whole():
+    # a 3,000-token prompt with ten 100-token answers, budget 2,048: ten parts of 3,100 tokens
+    lengths, parents = [3000] + [100] * 10, [-1] + [0] * 10
+    parts = split_tree(lengths, parents, 0, 11, 2048)
+    assert len(parts) == 1 and parts[0].trained is None
+    forced = split_tree(lengths, parents, 0, 11, 2048, max_recompute=100.0)
+    assert len(forced) == 10 and all(p.num_tokens == 3100 for p in forced)
+
+
 def test_a_part_of_nodes_not_in_depth_first_order_brings_every_ancestor_it_needs():
     # node 3's parent is 1 while node 2 (a child of 0) lies between them.
     lengths, parents = [4, 4, 4, 4], [-1, 0, 0, 1]
@@ -97,7 +106,7 @@ def test_a_training_step_with_a_budget_below_the_tree_size_takes_the_step_of_the
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
 
     whole = train_batch(model, opt, batch, settings, None, grad_clip=1.0, micro_batch_tokens=10_000)
-    split = train_batch(twin, twin_opt, batch, settings, None, grad_clip=1.0, micro_batch_tokens=25)
+    split = train_batch(twin, twin_opt, batch, settings, None, grad_clip=1.0, micro_batch_tokens=40)
 
     assert whole["num_tokens"] == batch.num_tokens < split["num_tokens"]  # context recomputed
     assert split["num_trained_tokens"] == whole["num_trained_tokens"]
