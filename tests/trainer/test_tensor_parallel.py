@@ -115,6 +115,7 @@ def _check_equal_to_single_process(cases: list[dict[str, Any]], ranks: list[dict
                 torch.testing.assert_close(got["grads"][name], expected, rtol=RTOL, atol=ATOL, msg=name)
 
 
+@pytest.mark.slow  # two spawned ranks importing torch + Megatron: 35-50 s here under the shared load
 def test_tensor_parallel_two_ranks_give_the_single_process_logits_loss_and_every_gradient(tmp_path):
     vocab = _vocab_inputs()
     cases, ranks = _run(2, 1, tmp_path, vocab)
@@ -134,6 +135,7 @@ def test_tensor_parallel_two_ranks_give_the_single_process_logits_loss_and_every
         torch.testing.assert_close(got["grad_weight"], weight.grad, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow  # two spawned ranks: 35-45 s here under the shared load
 def test_context_parallel_two_ranks_split_the_tokens_and_their_losses_add_up_to_the_whole(tmp_path):
     cases, ranks = _run(1, 2, tmp_path)
     assert [(r["layout"].cp_size, r["layout"].cp_rank) for r in ranks] == [(2, 0), (2, 1)]
