@@ -3,7 +3,7 @@ TP x CP, and the single-process (TP = CP = 1) reference the parallel tests compa
 
 Each rank initialises torch.distributed (gloo, TCP rendezvous on a free local port), Megatron's
 parallel state (`gyre.model.parallel.init_model_parallel`), builds the model in float64 from the
-parent's full weights (`gyre.model.tp_shard.load_full_weights`), computes the loss of the parent's
+parent's full weights (`gyre.model.tp_shard.load_full_weights`; a case may name another dtype), computes the loss of the parent's
 batch, backpropagates, sums the gradients over the CP group and gathers them to full shapes over the
 TP group. Every rank writes what it computed to `<out>/rank<r>.pt`; the parent reads them back.
 """
@@ -52,11 +52,12 @@ def _rank_main(rank: int, world: int, port: int, tp: int, cp: int, job: dict[str
         results: list[dict[str, Any]] = []
         for case in job["cases"]:
             # any seed: the weights are loaded
-            model = build_model(case["cfg"], dtype=torch.float64, seed=rank + 7)
+            dtype = case.get("dtype", torch.float64)
+            model = build_model(case["cfg"], dtype=dtype, seed=rank + 7)
             load_full_weights(model, case["weights"])
             ref_model = None
             if case.get("ref_weights") is not None:
-                ref_model = build_model(case["cfg"], dtype=torch.float64, seed=0).requires_grad_(False)
+                ref_model = build_model(case["cfg"], dtype=dtype, seed=0).requires_grad_(False)
                 load_full_weights(ref_model, case["ref_weights"])
             b = case["batch"]
             with torch.no_grad():  # the scoring path: full-vocabulary logits on every rank
