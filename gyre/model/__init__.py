@@ -18,6 +18,10 @@ API summary (everything takes and returns torch tensors on the model's device):
     cache.clear() / cache.truncate(n) / len(cache)   # migration: drop and re-prefill prompt + generated
     greedy_generate(model, prompt_ids, max_new_tokens, use_cache=True) -> list[int]
 
+    # Tensor / context parallelism (docs/trainer.md, "Parallelism"), after torch.distributed is initialised
+    init_model_parallel(tp, cp)                     # Megatron's parallel state; build_model then shards layers
+    load_full_weights(model, full_state)            # a TP rank's shard of full (TP = 1) weights
+
     # Weights
     sha = save_weights(model, path)                 # safetensors, atomic; returns hex sha256
     load_weights(model, path, expected_sha256=sha)  # InvalidArgument on a digest or shape mismatch
@@ -52,6 +56,8 @@ _LAZY = {
     "prefill": "gyre.model.kv_cache",
     "decode_step": "gyre.model.kv_cache",
     "greedy_generate": "gyre.model.kv_cache",
+    "init_model_parallel": "gyre.model.parallel",
+    "load_full_weights": "gyre.model.tp_shard",
     "save_weights": "gyre.model.weights",
     "load_weights": "gyre.model.weights",
     "sha256_file": "gyre.model.weights",

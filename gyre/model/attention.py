@@ -120,6 +120,38 @@ class TreeLayout:
         idx = torch.arange(self.num_tokens, device=device)
         return anc[node[:, None], node[None, :]] & (idx[None, :] <= idx[:, None])
 
+    def dense_mask_rows(self, start: int, stop: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[stop - start, T] bool: the dense mask's rows of queries [start, stop) (a context-parallel
+        rank's queries against every key), built once per layout and device and cached, so the
+        policy's and the reference model's forward of one micro-batch share it."""
+        key = f"rows:{start}:{stop}:{device}"
+        if key not in self._block_masks:
+            node = self.node_of_token(device)
+            anc = self.ancestor_matrix(device)
+            idx = torch.arange(self.num_tokens, device=device)
+            rows = idx[start:stop]
+            self._block_masks[key] = anc[node[rows][:, None], node[None, :]] & (idx[None, :] <= rows[:, None])
+        mask: torch.Tensor = self._block_masks[key]
+        return mask
+
+    def flex_row_block_mask(self, start: int, stop: int, device: torch.device) -> Any:
+        """The flex-attention `BlockMask` of queries [start, stop) against all keys, cached per layout
+        (`flex_block_mask` for a slice of the queries)."""
+        key = f"flexrows:{start}:{stop}:{device}"
+        if key not in self._block_masks:
+            from torch.nn.attention import flex_attention as flex
+
+            node = self.node_of_token(device)
+            anc = self.ancestor_matrix(device)
+
+            def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+                return anc[node[qi + start], node[ki]] & (ki <= qi + start)
+
+            self._block_masks[key] = flex.create_block_mask(
+                mask_mod, None, None, stop - start, self.num_tokens, device=device
+            )
+        return self._block_masks[key]
+
     def node_groups(self) -> list[_NodeGroup]:
         """The non-empty nodes grouped by the token counts along their chains (empty nodes skipped),
         computed once per layout: the nodes of a group have the same query count and key layout, so
@@ -196,7 +228,19 @@ class DenseMask:
     mask: torch.Tensor
 
 
-AttentionMask = TreeLayout | DenseMask | None
+@dataclass
+class TreeRows:
+    """Queries [start, stop) of a tree-packed sequence against all of its keys: a context-parallel
+    rank's slice (gyre.model.parallel). Kernels: the dense mask's rows (`TreeLayout.dense_mask_rows`,
+    SDPA; CPU and CUDA) or, with backend flex (the 'auto' choice on CUDA), flex attention with a
+    block mask of those rows (`TreeLayout.flex_row_block_mask`), which skips fully masked blocks."""
+
+    layout: TreeLayout
+    start: int
+    stop: int
+
+
+AttentionMask = TreeLayout | DenseMask | TreeRows | None
 
 _flex_compiled: Any = None
 
@@ -278,12 +322,12 @@ def _node_blocked_attention(
 
 
 def _flex_tree_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeLayout
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeLayout, block_mask: Any = None
 ) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
     global _flex_compiled
-    block_mask = layout.flex_block_mask(q.device)
+    block_mask = layout.flex_block_mask(q.device) if block_mask is None else block_mask
     fn = flex_attention
     if q.device.type == "cuda":
         if _flex_compiled is None:
@@ -300,7 +344,26 @@ def attend(
         return _sdpa(q, k, v, None, q.shape[2] > 1)
     if isinstance(mask, TreeLayout):
         return tree_attention(q, k, v, mask, backend)
+    if isinstance(mask, TreeRows):
+        return tree_rows_attention(q, k, v, mask, backend)
     return _sdpa(q, k, v, mask.mask, False)
+
+
+def tree_rows_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: TreeRows, backend: str = "auto"
+) -> torch.Tensor:
+    """Queries [start, stop) of a tree-packed sequence over all T keys: q [1, H, stop - start, d],
+    k/v [1, Hkv, T, d]. flex when asked or ('auto') on CUDA, else SDPA with the dense mask's rows."""
+    layout = rows.layout
+    if q.shape[2] != rows.stop - rows.start or k.shape[2] != layout.num_tokens:
+        raise InvalidArgument(
+            f"{q.shape[2]} queries and {k.shape[2]} keys for rows [{rows.start}, {rows.stop}) of "
+            f"{layout.num_tokens} tokens"
+        )
+    if backend == "flex" or (backend == "auto" and q.device.type == "cuda"):
+        block_mask = layout.flex_row_block_mask(rows.start, rows.stop, q.device)
+        return _flex_tree_attention(q, k, v, layout, block_mask)
+    return _sdpa(q, k, v, layout.dense_mask_rows(rows.start, rows.stop, q.device)[None, None], False)
 
 
 def pad_stack(seqs: Sequence[torch.Tensor], length: int) -> torch.Tensor:

@@ -20,6 +20,11 @@ def build_model(
 ) -> Any:
     """A megatron-core `GPTModel` (local layer spec, our core attention), on `device` in `dtype`.
 
+    Under Megatron tensor parallelism (`gyre.model.parallel.init_model_parallel`) the layers hold this
+    rank's shard (heads, MLP width, vocabulary rows); `model.gyre_parallel` records the layout. With a
+    seed, a rank's shard is not the same slice of a TP = 1 model's weights: load those with
+    `gyre.model.tp_shard.load_full_weights`.
+
     `seed` (optional) makes the random initialisation reproducible: the same weights for the same
     config and seed in every process, and in every thread however many builds run at once (builds
     are serialised; the seeded draw happens on a forked CPU RNG, so the caller's global RNG state
@@ -27,8 +32,11 @@ def build_model(
     (they take each token's position id); Megatron's own `GPTModel.forward` computes RoPE from the sequence index and asks CUDA for it.
     """
     from gyre.model.megatron import BUILD_LOCK, GyreCoreAttention, ensure_model_parallel, transformer_config
+    from gyre.model.parallel import current_model_parallel
 
     ensure_model_parallel()
+    parallel = current_model_parallel()
+    check_tensor_parallel(cfg, parallel.tp_size)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -38,7 +46,7 @@ def build_model(
         if seed is not None:
             torch.manual_seed(seed)
         model = GPTModel(
-            transformer_config(cfg),
+            transformer_config(cfg, parallel.tp_size),
             spec,
             vocab_size=cfg.vocab_size,
             max_sequence_length=cfg.max_position_embeddings,
@@ -47,7 +55,18 @@ def build_model(
             share_embeddings_and_output_weights=cfg.tie_embeddings,
         )
     model.gyre_config = cfg
+    model.gyre_parallel = parallel
     return model.to(device=torch.device(device), dtype=dtype)
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
+    """InvalidArgument unless `cfg` splits evenly over `tp_size` ranks (`tensor_parallel_problem`)."""
+    from gyre.errors import InvalidArgument
+    from gyre.model.config import tensor_parallel_problem
+
+    problem = tensor_parallel_problem(cfg, tp_size)
+    if problem:
+        raise InvalidArgument(problem)
 
 
 def model_config_of(model: Any) -> ModelConfig:

@@ -132,3 +132,17 @@ class ModelConfig(ConfigModel):
     def kv_heads(self) -> int:
         """Key/value heads (num_query_groups, defaulting to num_attention_heads)."""
         return self.num_query_groups or self.num_attention_heads
+
+
+def tensor_parallel_problem(cfg: ModelConfig, tp_size: int) -> str | None:
+    """Why `cfg` cannot be split over `tp_size` tensor-parallel ranks (None when it can): Megatron
+    splits query heads, key/value heads (each rank holds whole query groups), the MLP width and the
+    vocabulary rows evenly."""
+    sizes = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "key/value heads (num_query_groups)": cfg.kv_heads,
+        "ffn_hidden_size": cfg.ffn_hidden_size,
+        "vocab_size": cfg.vocab_size,
+    }
+    bad = [f"{name} {value}" for name, value in sizes.items() if value % tp_size]
+    return f"tensor parallel size {tp_size} must divide the model's {', '.join(bad)}" if bad else None

@@ -126,9 +126,15 @@ def hidden_states(
 
 
 def logits_from_hidden(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """Output layer: hidden [..., hidden] -> logits [..., vocab]."""
+    """Output layer: hidden [..., hidden] -> logits [..., vocab] (under tensor parallelism the
+    vocabulary shards are all-gathered, so every rank gets the full logits)."""
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     out, _ = model.output_layer(hidden, weight=weight)
+    parallel = getattr(model, "gyre_parallel", None)
+    if parallel is not None and parallel.tp_size > 1:
+        from gyre.model.parallel import gather_vocab
+
+        out = gather_vocab(out, parallel)
     return out
 
 

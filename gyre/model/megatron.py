@@ -53,8 +53,11 @@ def ensure_model_parallel() -> None:
             )
 
 
-def transformer_config(cfg: ModelConfig) -> Any:
-    """The megatron `TransformerConfig` matching `cfg` (float32 parameters, no dropout, no fusions)."""
+def transformer_config(cfg: ModelConfig, tensor_parallel_size: int = 1) -> Any:
+    """The megatron `TransformerConfig` matching `cfg` (float32 parameters, no dropout, no fusions),
+    for a model whose layers are split over `tensor_parallel_size` ranks (no sequence parallelism:
+    gloo has the collectives, but Megatron's sequence gather allocates on CUDA). Context parallelism
+    is not Megatron's here (gyre.model.parallel), so the config keeps context_parallel_size = 1."""
     import torch.nn.functional as F
 
     quiet_megatron_import()
@@ -85,6 +88,7 @@ def transformer_config(cfg: ModelConfig) -> Any:
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tensor_parallel_size,
     )
     tc.gyre_attention_backend = cfg.attention_backend  # read by GyreCoreAttention
     return tc

@@ -1,8 +1,10 @@
 """`PackedBatch`: the trainer's view of a tree-packed batch (one or more BatchChunk messages).
 
 Chunks hold whole trees and their node indices are chunk-local; `from_chunks` concatenates them
-into one sequence (offsets and parents shifted), validating every array. `split` cuts a batch into
-data-parallel shards at tree boundaries, balancing tokens. The loss is a *sum* over tokens, so
+into one sequence (offsets and parents shifted), validating every array. `micro_batches` cuts a batch
+into micro-batches of whole trees, splitting a tree larger than the budget into parts with recomputed
+context (services/trainer/split_trees.py); `split` cuts a micro-batch into data-parallel shards at
+tree boundaries, balancing tokens. The loss is a *sum* over tokens, so
 shard losses (and gradients) add up to the batch's.
 """
 
@@ -18,6 +20,7 @@ import torch
 
 from gyre.errors import InvalidArgument
 from gyre.v1 import trajectory_pb2
+from services.trainer.split_trees import TreePart, split_tree
 
 _PER_TOKEN = (
     "token_ids",
@@ -102,20 +105,58 @@ class PackedBatch:
             self.batch_id, node_offsets=offsets, node_lengths=lengths, node_parents=parents, **fields
         )
 
+    def select_parts(self, parts: Sequence[TreePart]) -> PackedBatch:
+        """A batch of the given tree parts (services/trainer/split_trees.py), node indices renumbered.
+
+        A part's context nodes (ancestors it does not train) keep their tokens and positions but carry
+        no loss: loss_mask False, weights and behaviour log-probs 0, policy version -1."""
+        token_idx: list[torch.Tensor] = []
+        trained_idx: list[torch.Tensor] = []
+        offsets: list[int] = []
+        lengths: list[int] = []
+        parents: list[int] = []
+        for part in parts:
+            new_index = {old: len(offsets) + k for k, old in enumerate(part.nodes)}
+            for i in part.nodes:
+                offsets.append(sum(lengths))
+                lengths.append(self.node_lengths[i])
+                p = self.node_parents[i]
+                parents.append(new_index[p] if p >= 0 else -1)
+                tokens = torch.arange(self.node_offsets[i], self.node_offsets[i] + self.node_lengths[i])
+                token_idx.append(tokens)
+                trained_idx.append(torch.full_like(tokens, 1 if part.is_trained(i) else 0, dtype=torch.bool))
+        empty = torch.zeros(0, dtype=torch.long)
+        idx = torch.cat(token_idx) if token_idx else empty
+        trained = torch.cat(trained_idx) if trained_idx else empty.bool()
+        fields = {name: getattr(self, name)[idx] for name in _PER_TOKEN}
+        if not bool(trained.all()):
+            for name in ("weight_pos", "weight_neg", "kl_weight", "behaviour_logprobs"):
+                fields[name] = torch.where(trained, fields[name], torch.zeros_like(fields[name]))
+            fields["loss_mask"] = fields["loss_mask"] & trained
+            fields["policy_versions"] = torch.where(trained, fields["policy_versions"], -1)
+        return PackedBatch(
+            self.batch_id, node_offsets=offsets, node_lengths=lengths, node_parents=parents, **fields
+        )
+
     def micro_batches(self, max_tokens: int) -> list[PackedBatch]:
-        """Consecutive runs of whole trees of at most `max_tokens` tokens each (a larger tree is a
-        micro-batch of its own); at least one micro-batch. The loss is a sum over tokens, so the
+        """Consecutive runs of trees of at most `max_tokens` tokens each; at least one micro-batch.
+
+        A tree larger than `max_tokens` is split along its nodes into parts that carry their
+        ancestors as recomputed, untrained context (`split_trees.split_tree`: parts of at most
+        max(max_tokens, the tree's longest path) tokens, unless that recomputes more than the tree's
+        own tokens, when it stays whole); whole trees and parts are packed in order.
+        The loss is a sum over tokens and every token is trained in exactly one micro-batch, so the
         micro-batches' losses and gradients add up to the batch's."""
-        groups: list[list[tuple[int, int]]] = [[]]
+        groups: list[list[TreePart]] = [[]]
         used = 0
         for a, b in self.tree_ranges():
-            size = sum(self.node_lengths[a:b])
-            if groups[-1] and used + size > max_tokens:
-                groups.append([])
-                used = 0
-            groups[-1].append((a, b))
-            used += size
-        return [self.select_trees(g) for g in groups]
+            for part in split_tree(self.node_lengths, self.node_parents, a, b, max_tokens):
+                if groups[-1] and used + part.num_tokens > max_tokens:
+                    groups.append([])
+                    used = 0
+                groups[-1].append(part)
+                used += part.num_tokens
+        return [self.select_parts(g) for g in groups]
 
     def split(self, num_shards: int) -> list[PackedBatch]:
         """`num_shards` batches of whole trees with balanced token counts (some may be empty)."""

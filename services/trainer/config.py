@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from gyre.config import ConfigModel
-from gyre.model.config import ModelConfig
+from gyre.model.config import ModelConfig, tensor_parallel_problem
 from gyre.tokenizers import TOKENIZER_FIELD_DESCRIPTION, vocabulary_problem
 
 
@@ -178,6 +178,22 @@ class TrainerConfig(ConfigModel):
         description="Streaming: how long a step waits for its next part (a newly scored group that fits) "
         "before it takes its optimizer step (s); the wait runs while the previous part trains.",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="Megatron tensor parallel ranks per replica (heads, MLP width and vocabulary split over "
+        "them; the loss stays vocabulary-parallel). Must divide the model's attention heads, key/value "
+        "heads, ffn_hidden_size and vocab_size; TP x CP x DP = the devices the trainer holds. Model-level "
+        "only so far: `gyre run` trains one process per data-parallel replica and refuses values > 1 "
+        "(docs/trainer.md, 'Parallelism').",
+    )
+    context_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="Context parallel ranks per replica: each holds a contiguous slice of a micro-batch's "
+        "tokens and all-gathers keys and values over the group (gyre/model/parallel.py). Model-level only "
+        "so far: `gyre run` refuses values > 1 (docs/trainer.md, 'Parallelism').",
+    )
 
     @model_validator(mode="after")
     def _streaming_without_step_normalisation(self) -> TrainerConfig:
@@ -190,6 +206,21 @@ class TrainerConfig(ConfigModel):
         problem = vocabulary_problem(self.tokenizer, self.model.vocab_size, "trainer.model.vocab_size")
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _model_parallel_sizes(self) -> TrainerConfig:
+        tp, cp = self.tensor_parallel_size, self.context_parallel_size
+        problem = tensor_parallel_problem(self.model, tp)
+        if problem:
+            raise ValueError(f"trainer.tensor_parallel_size: {problem}; pick a size that divides them all")
+        if tp > 1 or cp > 1:
+            raise ValueError(
+                f"trainer.tensor_parallel_size {tp} / context_parallel_size {cp}: tensor and context "
+                "parallelism exist at the model level (gyre/model/parallel.py, tested on gloo ranks) but "
+                "`gyre run` does not start TP/CP ranks inside its data-parallel replicas yet; set both to 1 "
+                "(docs/trainer.md, 'Parallelism')"
+            )
         return self
 
     @model_validator(mode="after")

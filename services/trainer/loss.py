@@ -39,6 +39,12 @@ The algorithm (why these terms; docs/trainer.md, "The RL algorithm"):
   reward variance and so every advantage is zero, and nothing can move the policy again (a stall).
 - KL to a reference model (optional, `kl_coef`) uses the k3 estimator exp(ref - logp) - (ref - logp) - 1.
 
+Parallel layouts (docs/trainer.md, "Parallelism"): under Megatron tensor parallelism every TP rank
+computes the same loss, with log-prob and entropy vocabulary-parallel (services/trainer/vocab_parallel.py);
+under context parallelism each CP rank computes the terms of the tokens it owns (those its slice's
+hidden states predict), so the CP ranks' losses and gradients add up to the micro-batch's, and its
+metrics count those tokens only.
+
 Metrics (token means over trained tokens, unweighted): `entropy` (nats), `kl_behaviour` (k3
 estimate of KL(behaviour || policy), the drift since the tokens were sampled: (r - 1) - log r),
 `clip_fraction` (ratios outside [1 - eps_low, 1 + eps_high]), `ratio_mean`, `kl_mean` (to the
@@ -55,10 +61,12 @@ from typing import Any
 import torch
 
 from gyre.errors import InvalidArgument
-from gyre.model.attention import TreeLayout
+from gyre.model.attention import TreeLayout, TreeRows
 from gyre.model.forward import hidden_states, predecessor_index
+from gyre.model.parallel import NOT_PARALLEL, ModelParallel, cp_token_range, gather_sequence
 from services.trainer.batch import PackedBatch
 from services.trainer.chunked_softmax import chunked_logprob_entropy
+from services.trainer.vocab_parallel import vocab_parallel_logprob_entropy
 
 ADVANTAGE_RMS_FLOOR = 1e-6
 """Score units: a batch whose advantages' RMS is below this is not rescaled (its policy-gradient term is ~0)."""
@@ -162,10 +170,67 @@ def output_weight(model: Any) -> torch.Tensor:
     return model.output_layer.weight  # type: ignore[no-any-return]
 
 
+def parallel_of(model: Any) -> ModelParallel:
+    """The tensor/context-parallel layout `model` was built under (gyre.model.build records it)."""
+    mp = getattr(model, "gyre_parallel", None)
+    return mp if isinstance(mp, ModelParallel) else NOT_PARALLEL
+
+
 def batch_layout(batch: PackedBatch) -> TreeLayout:
     """The attention layout of a packed batch: built once per micro-batch and shared by the policy's
     and the reference model's forward, so its flex block mask is built once (TreeLayout caches it)."""
     return TreeLayout(batch.num_tokens, batch.node_offsets, batch.node_lengths, batch.node_parents)
+
+
+def _next_token_stats(
+    model: Any, mp: ModelParallel, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets | hidden) and entropy, chunked; vocabulary-parallel under tensor parallelism."""
+    if mp.tp_size > 1:
+        return vocab_parallel_logprob_entropy(
+            hidden, output_weight(model), targets, chunk_tokens, mp.tp_rank, mp.tp_group
+        )
+    return chunked_logprob_entropy(hidden, output_weight(model), targets, chunk_tokens)
+
+
+def _logprobs_entropy_owned(
+    model: Any, batch: PackedBatch, chunk_tokens: int, layout: TreeLayout | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """log-probs [T], entropies [T] and, under context parallelism, which tokens this CP rank owns
+    (None without CP: every token). A token is owned by the rank holding the hidden state that
+    predicts it (its predecessor's; its own for a tree's first token), so each token's loss term is
+    computed on exactly one CP rank; the other entries are 0."""
+    layout = batch_layout(batch) if layout is None else layout
+    mp = parallel_of(model)
+    device = batch.token_ids.device
+    pred = predecessor_index(layout).to(device)
+    has = pred >= 0
+    num_tokens = batch.num_tokens
+    if mp.cp_size == 1:
+        hidden = hidden_states(model, batch.token_ids[None], batch.position_ids[None], layout)[0]
+        picked, entropy = _next_token_stats(
+            model, mp, hidden[pred.clamp(min=0)], batch.token_ids, chunk_tokens
+        )
+        zero = torch.zeros_like(picked)
+        return torch.where(has, picked, zero), torch.where(has, entropy, zero), None
+    lo, hi = cp_token_range(num_tokens, mp.cp_size, mp.cp_rank)
+    rows = TreeRows(layout, lo, hi)  # this rank's queries against every key
+
+    def gather_kv(_layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gather_sequence(k, 2, num_tokens, mp), gather_sequence(v, 2, num_tokens, mp)
+
+    hidden = hidden_states(
+        model, batch.token_ids[lo:hi][None], batch.position_ids[lo:hi][None], rows, kv_hook=gather_kv
+    )[0]
+    owner = torch.where(has, pred, torch.arange(num_tokens, device=device))
+    owned = (owner >= lo) & (owner < hi)
+    idx = owned.nonzero()[:, 0]
+    picked, entropy = _next_token_stats(
+        model, mp, hidden[owner[idx] - lo], batch.token_ids[idx], chunk_tokens
+    )
+    logprob_all = picked.new_zeros(num_tokens).index_put((idx,), torch.where(has[idx], picked, 0.0))
+    entropy_all = entropy.new_zeros(num_tokens).index_put((idx,), torch.where(has[idx], entropy, 0.0))
+    return logprob_all, entropy_all, owned
 
 
 def batch_logprobs_and_entropy(
@@ -175,16 +240,12 @@ def batch_logprobs_and_entropy(
     (both 0 at a tree's first token, which has no predecessor), fp32 (fp64 for an fp64 model).
 
     Computed `chunk_tokens` tokens at a time (services.trainer.chunked_softmax): never T x V logits
-    at once, forward or backward; equal to the full log-softmax's values and gradients."""
-    layout = batch_layout(batch) if layout is None else layout
-    hidden = hidden_states(model, batch.token_ids[None], batch.position_ids[None], layout)[0]
-    pred = predecessor_index(layout).to(batch.token_ids.device)
-    has = pred >= 0
-    picked, entropy = chunked_logprob_entropy(
-        hidden[pred.clamp(min=0)], output_weight(model), batch.token_ids, chunk_tokens
-    )
-    zero = torch.zeros_like(picked)
-    return torch.where(has, picked, zero), torch.where(has, entropy, zero)
+    at once, forward or backward; equal to the full log-softmax's values and gradients. Under tensor
+    parallelism the vocabulary stays split (services.trainer.vocab_parallel) and every TP rank gets
+    the same values; under context parallelism a CP rank gets the tokens it owns and 0 elsewhere
+    (summed over the CP ranks: the whole batch's)."""
+    logprob, entropy, _ = _logprobs_entropy_owned(model, batch, chunk_tokens, layout)
+    return logprob, entropy
 
 
 def batch_logprobs(
@@ -202,21 +263,23 @@ def tree_loss(
         zero = sum(p.sum() * 0.0 for p in model.parameters())
         return zero, {"loss": 0.0, "num_tokens": 0.0, "num_trained_tokens": 0.0}
     layout = batch_layout(batch)
-    logprobs, entropy = batch_logprobs_and_entropy(model, batch, settings.chunk_tokens, layout)
+    logprobs, entropy, owned = _logprobs_entropy_owned(model, batch, settings.chunk_tokens, layout)
+    # Under context parallelism this rank's loss is the terms of the tokens it owns (the CP ranks'
+    # losses and gradients add up to the batch's); its metrics count those tokens only.
+    mask = batch.loss_mask if owned is None else batch.loss_mask & owned
     per_token, ratio = clipped_token_losses(
         logprobs,
         batch.behaviour_logprobs,
         batch.weight_pos,
         batch.weight_neg,
-        batch.loss_mask,
+        mask,
         settings.clip_eps,
         settings.eps_high,
     )
     loss = per_token.sum()
-    mask = batch.loss_mask
     n_train = int(mask.sum())
     metrics = {
-        "num_tokens": float(batch.num_tokens),
+        "num_tokens": float(batch.num_tokens if owned is None else int(owned.sum())),
         "num_trained_tokens": float(n_train),
     }
     if settings.normalise_advantages:
