@@ -9,8 +9,8 @@ import pytest
 import sqlalchemy as sa
 
 import gyre.store
-from gyre.errors import ConfigError, Unavailable
 from app import db as db_cli
+from gyre.errors import ConfigError, Unavailable
 
 ENV_PY = """
 import sqlalchemy as sa

@@ -13,9 +13,9 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
+from app.db import upgrade_all
 from gyre.embedded import EmbeddedPostgres
 from gyre.store import roles
-from app.db import upgrade_all
 
 PASSWORDS = {"scheduler": "pw-sched", "trajectory": "pw-traj", "trainer": "pw-train", "rollout": "pw-roll"}
 
