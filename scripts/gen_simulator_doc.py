@@ -217,7 +217,8 @@ def render(data: dict[str, Any]) -> str:
         return "met" if ok else "**not met**"
 
     below = [
-        f"{r['workload']} {_fmt(r['speedup']['vs_best_baseline'])}"
+        f"{r['workload']} {r['speedup']['vs_best_baseline']['mean']:.3f}x "
+        f"[{r['speedup']['vs_best_baseline']['low']:.3f}, {r['speedup']['vs_best_baseline']['high']:.3f}]"
         for r in stationary
         if r["speedup"]["vs_best_baseline"]["mean"] < 0.98
     ]

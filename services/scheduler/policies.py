@@ -239,7 +239,8 @@ class ElasticPolicy(Policy):
       (`trainer_remaining_work_device_s` over its data-parallel size) must outlast as many role
       changes; a trainer waiting for scored groups keeps its devices and rollout keeps its engines
       (lending them would pack the slowest executions together for no gain). A trainer with work
-      and no device always gets one.
+      and no device always gets one, and on a short cadence no more than its home share: a device
+      the trainer would not use stays with rollout (its lease share follows its busy time).
     - Never strand the trainer: a trainer with work that holds fewer devices than its home share
       (pool - `home_rollout_devices`) gets its borrowed devices back (down to what live executions
       need) whatever the cadence, including before the first step, when the cadence is still
