@@ -239,7 +239,8 @@ class ElasticPolicy(Policy):
       (`trainer_remaining_work_device_s` over its data-parallel size) must outlast as many role
       changes; a trainer waiting for scored groups keeps its devices and rollout keeps its engines
       (lending them would pack the slowest executions together for no gain). A trainer with work
-      and no device always gets one.
+      and no device always gets one, and on a short cadence no more than its home share: a device
+      the trainer would not use stays with rollout (its lease share follows its busy time).
     - Never strand the trainer: a trainer with work that holds fewer devices than its home share
       (pool - `home_rollout_devices`) gets its borrowed devices back (down to what live executions
       need) whatever the cadence, including before the first step, when the cadence is still
@@ -309,20 +310,18 @@ class ElasticPolicy(Policy):
 
     def lendable(self, snapshot: PoolSnapshot, spare: int) -> int:
         """How many of `spare` rollout devices (beyond the target) go to a trainer with work now:
-        - all of them when the trainer holds no device;
         - all of them when a lend pays: the step cadence is long against role changes and the work
           the trainer can do now lasts, at its current size, longer than `min_step_over_switch`
           role changes (a trainer that has trained all it has and waits for scored groups gains
           nothing from more devices, while the engines they leave would pack live executions);
-        - else only those the trainer lent out, back up to its home share (a stranded trainer
-          costs more than two role changes)."""
+        - else those the trainer lent out, back up to its home share (a stranded trainer costs more
+          than two role changes), and at least one device: a trainer with work never waits for one.
+          Never more on a short cadence: a device the trainer would not use stays with rollout."""
         train = snapshot.count(Role.TRAIN)
-        if train < max(1, self.min_train_devices):
-            return spare
         pays = snapshot.trainer_time_left_s > self.min_step_over_switch * self.role_change_s
         if self._moves_pay(snapshot) and pays:
             return spare
-        return max(0, min(spare, self.home_train_devices(snapshot) - train))
+        return max(0, min(spare, max(1, self.home_train_devices(snapshot)) - train))
 
     def plan(self, snapshot: PoolSnapshot) -> list[Reassignment]:
         target = self.target_rollout(snapshot)

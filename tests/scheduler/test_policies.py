@@ -191,9 +191,19 @@ def test_elastic_returns_borrowed_devices_to_a_trainer_below_its_home_share_befo
     )
 
 
-def test_elastic_gives_a_stranded_trainer_a_device_whatever_the_cost() -> None:
+def test_elastic_gives_a_stranded_trainer_its_home_share_whatever_the_cost_and_no_more() -> None:
+    import dataclasses
+
     snap = _snap([Role.ROLLOUT] * 3, live=0, cap=4, backlog=1, busy=True, step_s=1.0)
-    assert len(ElasticPolicy(role_change_s=15.0).plan(snap)) == 3
+    # A short cadence: no lend pays, so the trainer gets its home share (3 - 3 // 2 = 2), not the
+    # whole idle rollout: a device it would not use stays where the next batch needs it.
+    assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(snap)] == [Role.TRAIN] * 2
+    # A home that leaves the trainer nothing (measured, or the operator's) still gives it one device.
+    nothing = dataclasses.replace(snap, measured_home_rollout=3)
+    assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(nothing)] == [Role.TRAIN]
+    # A long cadence with lasting work: every idle engine is lent.
+    long = dataclasses.replace(snap, trainer_step_s=900.0, trainer_remaining_work_device_s=1e5)
+    assert len(ElasticPolicy(role_change_s=15.0).plan(long)) == 3
 
 
 def test_elastic_takes_devices_back_when_new_batch_is_admitted() -> None:
@@ -244,7 +254,9 @@ def test_elastic_moves_devices_both_ways_when_rollout_and_training_alternate() -
 
     phase(live=32)  # batch 0 rolls out on the registered pool; no step yet, nothing optional
     assert roles == [Role.ROLLOUT] * 4
-    phase(backlog=1, busy=True)  # batch 0 waits, the trainer holds nothing: every idle engine goes
+    phase(backlog=1, busy=True)  # batch 0 waits, the trainer holds nothing, no step yet: its home share
+    assert roles == [Role.ROLLOUT, Role.ROLLOUT, Role.TRAIN, Role.TRAIN]
+    phase(backlog=1, busy=True, step_s=1.0, work_device_s=0.5)  # its step runs: all of rollout
     assert roles == [Role.TRAIN] * 4
     for _ in range(2):
         phase(live=32, queued=32, step_s=1.0)  # the next batch: spread over all but one trainer device

@@ -88,3 +88,35 @@ def test_the_per_phase_oracle_is_never_slower_than_the_best_fixed_split_and_equa
             assert oracle <= best * (1 + 1e-12)
         else:
             assert oracle == pytest.approx(best, rel=1e-12)
+
+
+def test_the_retuned_oracle_follows_its_splits_by_weight_version() -> None:
+    from services.scheduler.policies import DeviceState, PoolSnapshot, Role
+    from services.scheduler.sim.compare import RetunedAsyncPolicy
+
+    policy = RetunedAsyncPolicy([1, 3], staleness_bound=1)
+    devices = tuple(DeviceState(f"d{i}", Role.ROLLOUT) for i in range(4))
+
+    def train_moves(version: int) -> int:
+        snap = PoolSnapshot(devices, 0, 0, 4, 0, False, latest_version=version)
+        return sum(m.to_role == Role.TRAIN for m in policy.plan(snap))
+
+    assert (train_moves(0), train_moves(1), train_moves(7)) == (3, 1, 1)  # the last split holds
+
+
+def test_the_retuned_oracle_is_one_real_run_never_slower_than_the_best_fixed_split() -> None:
+    from services.scheduler.sim.compare import oracle_phases, phase_splits, retuned_async, sweep_async_runs
+
+    for name, drifting in (("small.yaml", False), ("drift_turns.yaml", True)):
+        w = load_workload_file(ROOT / "examples" / "workloads" / name)
+        runs = sweep_async_runs(w)
+        best = min(runs.values(), key=lambda r: r.time_per_step_s)
+        oracle = retuned_async(w, runs)
+        assert oracle.time_per_step_s <= best.time_per_step_s
+        if not drifting:
+            assert oracle is best
+        else:
+            # A ramp is cut step by step and in quarters; every split list covers every step.
+            cuts = oracle_phases(w)
+            assert len(cuts) == 2
+            assert all(len(phase_splits(w, runs, c)) == w.num_steps for c in cuts)

@@ -67,11 +67,19 @@ def main(argv: list[str]) -> int:
         print(json.dumps(out))
         return 0
     print(f"workload {w.name}: {w.description}  (seeds {out['seeds']})")
-    for name in ("colocate", "async", "elastic", "paper_colocate", "paper_async"):
+    for name in (
+        "colocate",
+        "async",
+        "async_half",
+        "async_phase_oracle",
+        "elastic",
+        "paper_colocate",
+        "paper_async",
+    ):
         r = out[name]
         t = r["time_per_step_s"]
         print(
-            f"  {name:<15} {t['mean']:>10.1f} s/step [{t['low']:.1f}, {t['high']:.1f}]  "
+            f"  {name:<18} {t['mean']:>10.1f} s/step [{t['low']:.1f}, {t['high']:.1f}]  "
             f"generated tokens trained {r['generated_trained_share']:.1%}  utilization {r['device_utilization']:.1%}"
         )
     for k, v in out["speedup"].items():
