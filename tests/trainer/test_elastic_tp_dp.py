@@ -1,0 +1,97 @@
+"""Tensor parallelism inside elastic data parallelism: replicas of TP = 2 gloo processes, resized
+2 -> 1 -> 2 replicas at micro-batch boundaries inside a step, train the same weights as one process.
+
+Float64, rtol 1e-6 against the one-process step (train_batch, TP = 1) on the same batches: the
+summation order differs (shards per replica, vocabulary-parallel loss, the norm's TP all-reduce), so
+equality is to rounding, not bitwise. Bitwise is checked where the order is the same: after every
+resize TP rank r of every replica holds exactly what TP rank r of DP rank 0 holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.trainer.config import TrainerConfig
+from services.trainer.step import build_replica, train_batch
+from services.trainer.tp_replica import TensorParallelReplicas, replicas_of
+from tests.trainer.helpers import random_batch
+
+RTOL, ATOL = 1e-6, 1e-10
+MICRO_BATCH_TOKENS = 40
+NUM_STEPS = 2
+# devices held from the k-th micro-batch boundary of the run on (TP = 2: two devices per replica)
+SCHEDULE = [
+    ["d0", "d1", "d2", "d3"],  # 2 replicas
+    ["d2", "d3"],  # DP rank 0's replica leaves mid-step: (d2, d3) becomes DP rank 0
+    ["d2", "d3", "d4", "d5", "d6"],  # 2 replicas, d6 waits (no whole replica)
+]
+
+
+def test_held_devices_form_whole_replicas_and_a_leftover_device_waits():
+    assert replicas_of(["a", "b", "c"], [], 2) == [("a", "b")]
+    kept = [("c", "d")]
+    assert replicas_of(["a", "c", "d", "e", "f"], kept, 2) == [("c", "d"), ("a", "e")]
+    assert replicas_of(["a", "d"], kept, 2) == [("a", "d")]  # (c, d) lost c: a new pair forms
+    assert replicas_of(["a"], [], 1) == [("a",)]
+
+
+def _cfg() -> TrainerConfig:
+    return TrainerConfig(
+        dtype="float64", device="cpu", lr=1e-2, grad_clip=1.0, micro_batch_tokens=MICRO_BATCH_TOKENS
+    )
+
+
+def _batches() -> list:
+    return [
+        random_batch(300 + i, num_nodes=24, batch_id=f"b{i}", num_roots=8).to("cpu", torch.float64)
+        for i in range(NUM_STEPS)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_tp2_replicas_resized_mid_step_train_the_weights_of_one_process():
+    cfg = _cfg()
+    model, optimizer, ref_model, settings = build_replica(cfg, "cpu")
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    expected_norms = []
+    for batch in _batches():
+        metrics = train_batch(model, optimizer, batch, settings, ref_model, cfg.grad_clip, MICRO_BATCH_TOKENS)
+        expected_norms.append(metrics["grad_norm"])
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    assert any(n > cfg.grad_clip for n in expected_norms), "clipping should be exercised"
+
+    group = TensorParallelReplicas(cfg, 2, initial)
+    boundary, sizes, norms, waiting = 0, [], [], []
+    try:
+        for batch in _batches():
+            micros = batch.micro_batches(MICRO_BATCH_TOKENS)
+            for k, micro in enumerate(micros):
+                group.request_devices(SCHEDULE[min(boundary, len(SCHEDULE) - 1)])
+                boundary += 1
+                group.apply(wait=True)
+                if k == 0:
+                    group.begin_step()
+                sizes.append(group.size)
+                waiting.append(group.waiting_devices)
+                digests = group.replica_digests()
+                for tp_rank in range(2):
+                    assert len({d[tp_rank] for d in digests}) == 1, f"replicas differ at boundary {boundary}"
+                group.micro(micro)
+            norms.append(group.finish_step())
+        got = group.full_weights_now()
+    finally:
+        group.close()
+
+    assert boundary > len(SCHEDULE), "the schedule did not play out: too few micro-batches"
+    assert sizes[:3] == [2, 1, 2] and waiting[2] == ["d6"]
+    assert group.generation == 3
+    assert norms == pytest.approx(expected_norms, rel=RTOL)
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert got[name].shape == value.shape
+        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    moved = max(float((expected[n] - initial[n]).abs().max()) for n in expected)
+    assert moved > 1e-3, "the steps should change the weights"
