@@ -90,7 +90,8 @@ def clip_tensor_parallel(model: Any, grad_clip: float, tp_group: Any) -> float:
     for the unsplit model: coefficient min(1, clip / (norm + 1e-6))."""
     if not grad_clip:
         return 0.0
-    grads_split, grads_replicated = [], []
+    grads_split: list[torch.Tensor] = []
+    grads_replicated: list[torch.Tensor] = []
     for p in model.parameters():
         if p.grad is None:
             continue
