@@ -183,8 +183,9 @@ class TrainerConfig(ConfigModel):
         ge=1,
         description="Megatron tensor parallel ranks per replica (heads, MLP width and vocabulary split over "
         "them; the loss stays vocabulary-parallel). Must divide the model's attention heads, key/value "
-        "heads, ffn_hidden_size and vocab_size; TP x CP x DP = the devices the trainer holds. Model-level "
-        "only so far: `gyre run` trains one process per data-parallel replica and refuses values > 1 "
+        "heads, ffn_hidden_size and vocab_size; TP x CP x DP = the devices the trainer holds. Replicas of "
+        "TP processes inside the elastic DP group exist and are tested (services/trainer/tp_replica.py) "
+        "but the step loop does not drive them yet, so `gyre run` refuses values > 1 "
         "(docs/trainer.md, 'Parallelism').",
     )
     context_parallel_size: int = Field(
@@ -216,9 +217,11 @@ class TrainerConfig(ConfigModel):
             raise ValueError(f"trainer.tensor_parallel_size: {problem}; pick a size that divides them all")
         if tp > 1 or cp > 1:
             raise ValueError(
-                f"trainer.tensor_parallel_size {tp} / context_parallel_size {cp}: tensor and context "
-                "parallelism exist at the model level (gyre/model/parallel.py, tested on gloo ranks) but "
-                "`gyre run` does not start TP/CP ranks inside its data-parallel replicas yet; set both to 1 "
+                f"trainer.tensor_parallel_size {tp} / context_parallel_size {cp}: tensor parallel "
+                "replicas inside the elastic data-parallel group exist (services/trainer/tp_replica.py, "
+                "tested on gloo ranks) but the trainer's step loop still trains single-process replicas "
+                "(its checkpoints, published weights and streamed steps are not wired to them), and "
+                "context parallelism exists at the model level only; set both to 1 "
                 "(docs/trainer.md, 'Parallelism')"
             )
         return self
