@@ -45,6 +45,7 @@ import math
 import multiprocessing
 import pickle
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -109,17 +110,21 @@ def clip_tensor_parallel(model: Any, grad_clip: float, tp_group: Any) -> float:
     return norm
 
 
+# The whole (TP = 1 shaped) state of a replica, by parameter name: "weights" (required), "optimizer"
+# (AdamW state per parameter: step, exp_avg, exp_avg_sq; absent before the first step) and "grads"
+# (the step's gradient so far; absent between steps).
+FullState = dict[str, dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class TPReplicaSpec:
-    """What one replica process needs: the trainer config (JSON), TP size and rank, the replica's
-    store prefix, and the full initial weights (its shard is cut from them; a replica that joins a
-    group already training is overwritten by the broadcast from DP rank 0)."""
+    """What one replica process needs: the trainer config (JSON), TP size and rank, and the replica's
+    store prefix (its state arrives when it joins)."""
 
     trainer_config_json: str
     tp_size: int
     tp_rank: int
     replica_key: str
-    full_weights: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -134,13 +139,19 @@ class _Replica:
 class TensorParallelReplicas:
     """Elastic DP over replicas of TP processes, driven from a coordinator that holds no replica.
 
+    The state lives in the replicas while at least one trains. When a group forms from none, its
+    replicas start from `seed()` (a FullState: each TP rank cuts its shards, `shard_of`); when the
+    last replica leaves, even mid-step, the whole state — the step's gradient so far included — is
+    gathered to full shapes and handed to `keep` first, so a later group resumes the step exactly.
+
     Not thread-safe; call it at micro-batch boundaries (`apply`) and between them (`micro`)."""
 
     def __init__(
         self,
         cfg: TrainerConfig,
         tp_size: int,
-        full_weights: dict[str, torch.Tensor],
+        seed: Callable[[], FullState],
+        keep: Callable[[FullState], None],
         rendezvous: tuple[str, int] = (LOCAL_HOST, 0),
     ) -> None:
         if cfg.precision != "fp32" or cfg.optimizer_sharding != "none":
@@ -150,7 +161,7 @@ class TensorParallelReplicas:
             )
         if cfg.device != "cpu":
             raise InvalidArgument("tensor parallel replicas run on CPU (gloo) so far")
-        self.cfg, self.tp_size, self.full_weights = cfg, tp_size, full_weights
+        self.cfg, self.tp_size, self.seed, self.keep = cfg, tp_size, seed, keep
         self.rendezvous = rendezvous
         self.store: Any = None
         self.ctx = multiprocessing.get_context("spawn")
@@ -164,6 +175,16 @@ class TensorParallelReplicas:
     def size(self) -> int:
         """Replicas training now (the DP size)."""
         return len(self.replicas)
+
+    @property
+    def device_ids(self) -> list[str]:
+        """Devices of the replicas training now, in DP then TP rank order."""
+        return [d for r in self.replicas for d in r.devices]
+
+    def settled(self) -> bool:
+        """The replicas are exactly those the wanted devices form (nothing to apply)."""
+        targets = replicas_of(self.wanted, [r.devices for r in self.replicas], self.tp_size)
+        return [r.devices for r in self.replicas] == targets and not self.booting
 
     @property
     def waiting_devices(self) -> list[str]:
@@ -180,13 +201,12 @@ class TensorParallelReplicas:
     def apply(self, wait: bool = False) -> bool:
         """At a micro-batch boundary: replicas whose devices are released leave (their processes
         exit), replicas whose processes are ready join (with `wait`, after waiting for them); True
-        when the group changed. InvalidArgument when no replica would remain (the step's gradient
-        lives only in the replicas)."""
+        when the group changed. When no replica stays, the state goes to `keep` first."""
         targets = replicas_of(self.wanted, [r.devices for r in self.replicas], self.tp_size)
         leaving = [r for r in self.replicas + self.booting if r.devices not in targets]
         staying = [r for r in self.replicas if r.devices in targets]
-        if self.replicas and not staying:
-            raise InvalidArgument("a resize must keep at least one replica (it holds the step so far)")
+        if self.replicas and not staying:  # the last replicas leave: their state is kept outside
+            self.keep(self.full_state())
         for r in leaving:
             self._exit(r)
         self.booting = [r for r in self.booting if r.devices in targets]
@@ -207,7 +227,7 @@ class TensorParallelReplicas:
         self.started += 1
         replica = _Replica(devices)
         for tp_rank, device_id in enumerate(devices):
-            spec = TPReplicaSpec(self.cfg.model_dump_json(), self.tp_size, tp_rank, key, self.full_weights)
+            spec = TPReplicaSpec(self.cfg.model_dump_json(), self.tp_size, tp_rank, key)
             parent, child = self.ctx.Pipe()
             proc = self.ctx.Process(
                 target=tp_worker_main, args=(child, self.rendezvous[0], self.store.port, spec), daemon=True
@@ -233,16 +253,20 @@ class TensorParallelReplicas:
 
     def _new_generation(self, joining: list[_Replica]) -> None:
         self.generation += 1
+        if not self.replicas:
+            return
         source = self.replicas[0]
-        for w in source.ranks:
-            w.conn.send(("skeleton",))
-        skeletons = [_expect(w, "skeleton") for w in source.ranks]
+        fresh = source in joining  # no replica held the state: every one starts from the seed
+        seed = self.seed() if fresh else None
+        skeletons: list[Any] = [None] * self.tp_size
+        if not fresh:
+            for w in source.ranks:
+                w.conn.send(("skeleton",))
+            skeletons = [_expect(w, "skeleton") for w in source.ranks]
         for dp_rank, replica in enumerate(self.replicas):
             for tp_rank, w in enumerate(replica.ranks):
-                new = replica in joining
-                w.conn.send(
-                    ("join", self.generation, dp_rank, self.size, skeletons[tp_rank] if new else None)
-                )
+                skeleton = skeletons[tp_rank] if replica in joining else None
+                w.conn.send(("join", self.generation, dp_rank, self.size, skeleton, seed))
         for replica in self.replicas:
             for w in replica.ranks:
                 _expect(w, "joined")
@@ -260,27 +284,34 @@ class TensorParallelReplicas:
         """Every replica zeroes its gradients (the step's micro-batches accumulate into them)."""
         self._all(("begin",), "begun")
 
-    def micro(self, micro: PackedBatch) -> list[dict[str, float]]:
+    def micro(self, micro: PackedBatch, grad_factor: float = 1.0) -> list[dict[str, float]]:
         """One micro-batch: shard r (whole trees) to replica r, backward, DP all-reduce; the metrics of
-        each replica's TP rank 0."""
+        each replica's TP rank 0. `grad_factor` first rescales the gradient accumulated so far
+        (trainer.streaming's StepNormaliser)."""
         if not self.replicas:
             raise InvalidArgument("no replica: hold at least TP devices")
         shards = micro.split(self.size)
         for replica, shard in zip(self.replicas, shards, strict=True):
             payload = pickle.dumps(shard)
             for w in replica.ranks:
-                w.conn.send(("micro", payload))
+                w.conn.send(("micro", payload, grad_factor))
         return [[_expect(w, "metrics") for w in r.ranks][0] for r in self.replicas]
 
     def finish_step(self) -> float:
         """Every rank clips (the whole model's norm) and steps; the pre-clip norm (0: no clip)."""
         return float(self._all(("finish",), "finished")[0])
 
-    def full_weights_now(self) -> dict[str, torch.Tensor]:
-        """DP rank 0's parameters gathered to full (TP = 1) shapes (`gyre.model.tp_shard.gather_full`)."""
+    def full_state(self) -> FullState:
+        """DP rank 0's parameters, AdamW state and gradients gathered to full (TP = 1) shapes
+        (`gyre.model.tp_shard.gather_full`)."""
         for w in self.replicas[0].ranks:
-            w.conn.send(("full_weights",))
-        return [_expect(w, "full_weights") for w in self.replicas[0].ranks][0]
+            w.conn.send(("full_state",))
+        state: FullState = [_expect(w, "full_state") for w in self.replicas[0].ranks][0]
+        return state
+
+    def full_weights_now(self) -> dict[str, torch.Tensor]:
+        """DP rank 0's parameters gathered to full (TP = 1) shapes."""
+        return dict(self.full_state()["weights"])
 
     def replica_digests(self) -> list[list[str]]:
         """Per replica (DP rank order), the digest of each TP rank's parameters and optimizer state."""
@@ -297,12 +328,38 @@ class TensorParallelReplicas:
         self.replicas, self.booting = [], []
 
 
+def _gather_state(model: Any, optimizer: Any, params: dict[str, Any], gather_full: Any) -> FullState:
+    """This TP rank's parameters, AdamW state and gradients gathered to full shapes (collective over
+    the TP group: every TP rank calls it, with state for the same parameters)."""
+    weights = gather_full(model, {n: p.detach() for n, p in params.items()})
+    grads = gather_full(
+        model, {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
+    )
+    opt: dict[str, Any] = {}
+    for name, p in params.items():
+        entry = optimizer.state.get(p, {})
+        if not entry:
+            continue
+        opt[name] = {}
+        for k in sorted(entry):
+            v = entry[k]
+            if torch.is_tensor(v) and v.shape == p.shape:
+                opt[name][k] = gather_full(model, {name: v})[name].clone()
+            else:
+                opt[name][k] = v.clone() if torch.is_tensor(v) else v
+    return {
+        "weights": {n: t.clone() for n, t in weights.items()},
+        "grads": {n: t.clone() for n, t in grads.items()},
+        "optimizer": opt,
+    }
+
+
 def tp_worker_main(conn: Connection, store_host: str, store_port: int, spec: TPReplicaSpec) -> None:
     """One TP rank of one replica: the replica's default group and Megatron state, the model shard,
     then the coordinator's commands until told to leave or the pipe closes."""
     try:
         from gyre.model.parallel import init_model_parallel
-        from gyre.model.tp_shard import gather_full, load_full_weights
+        from gyre.model.tp_shard import gather_full, load_full_weights, shard_of
         from services.trainer.step import backward_micro, build_replica, loss_dtype, shard_loss_settings
 
         torch.set_num_threads(1)
@@ -317,10 +374,30 @@ def tp_worker_main(conn: Connection, store_host: str, store_port: int, spec: TPR
         )
         layout = init_model_parallel(spec.tp_size, 1)
         model, optimizer, ref_model, settings = build_replica(cfg, "cpu")
-        load_full_weights(model, spec.full_weights)
-        if ref_model is not None:
-            load_full_weights(ref_model, spec.full_weights)
         settings = shard_loss_settings(settings)
+        params = dict(model.named_parameters())
+
+        def load_seed(seed: FullState) -> None:
+            load_full_weights(model, seed["weights"])
+            if ref_model is not None:
+                load_full_weights(ref_model, seed.get("reference", seed["weights"]))
+            optimizer.state.clear()
+            for name, entry in seed.get("optimizer", {}).items():
+                optimizer.state[params[name]] = {
+                    k: shard_of(model, name, v, spec.tp_size, spec.tp_rank).clone()
+                    if torch.is_tensor(v) and v.shape == seed["weights"][name].shape
+                    else (v.clone() if torch.is_tensor(v) else v)
+                    for k, v in entry.items()
+                }
+            grads = seed.get("grads", {})
+            for name, p in params.items():
+                full_grad = grads.get(name)
+                p.grad = (
+                    None
+                    if full_grad is None
+                    else shard_of(model, name, full_grad, spec.tp_size, spec.tp_rank).clone()
+                )
+
         dp_store = dist.PrefixStore(f"gyre-tp{spec.tp_rank}", store)
         conn.send(("ready",))
         pg: Any = None
@@ -333,8 +410,10 @@ def tp_worker_main(conn: Connection, store_host: str, store_port: int, spec: TPR
             if msg[0] == "skeleton":
                 conn.send(("skeleton", optimizer_skeleton(optimizer)))
             elif msg[0] == "join":
-                _, generation, dp_rank, dp_size, skeleton = msg
-                if skeleton is not None:
+                _, generation, dp_rank, dp_size, skeleton, seed = msg
+                if seed is not None:
+                    load_seed(seed)
+                elif skeleton is not None:
                     load_skeleton(optimizer, skeleton)
                 pg = None
                 if dp_size > 1:
@@ -346,6 +425,11 @@ def tp_worker_main(conn: Connection, store_host: str, store_port: int, spec: TPR
                 conn.send(("begun",))
             elif msg[0] == "micro":
                 shard: PackedBatch = pickle.loads(msg[1])
+                if msg[2] != 1.0:
+                    with torch.no_grad():
+                        for p in params.values():
+                            if p.grad is not None:
+                                p.grad.mul_(msg[2])
                 if dp_rank != 0:
                     optimizer.zero_grad(set_to_none=False)  # DP rank 0 alone carries the sum so far
                 metrics = backward_micro(
@@ -358,9 +442,8 @@ def tp_worker_main(conn: Connection, store_host: str, store_port: int, spec: TPR
                 norm = clip_tensor_parallel(model, cfg.grad_clip, layout.tp_group)
                 optimizer.step()
                 conn.send(("finished", norm))
-            elif msg[0] == "full_weights":
-                full = gather_full(model, {n: p.detach() for n, p in model.named_parameters()})
-                conn.send(("full_weights", {n: t.clone() for n, t in full.items()}))
+            elif msg[0] == "full_state":
+                conn.send(("full_state", _gather_state(model, optimizer, params, gather_full)))
             elif msg[0] == "digest":
                 conn.send(("digest", replica_digest(model, optimizer)))
             elif msg[0] == "leave":

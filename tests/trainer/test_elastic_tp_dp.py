@@ -4,7 +4,9 @@
 Float64, rtol 1e-6 against the one-process step (train_batch, TP = 1) on the same batches: the
 summation order differs (shards per replica, vocabulary-parallel loss, the norm's TP all-reduce), so
 equality is to rounding, not bitwise. Bitwise is checked where the order is the same: after every
-resize TP rank r of every replica holds exactly what TP rank r of DP rank 0 holds.
+resize TP rank r of every replica holds exactly what TP rank r of DP rank 0 holds, and a replica
+swapped for a new one (same shards, same order) changes no bit of the result. Last, the trainer's
+own loop with trainer.tensor_parallel_size 2, parked with no device mid-step, equals the TP = 1 loop.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from services.trainer.config import TrainerConfig
 from services.trainer.step import build_replica, train_batch
-from services.trainer.tp_replica import TensorParallelReplicas, replicas_of
+from services.trainer.tp_replica import FullState, TensorParallelReplicas, replicas_of
 from tests.trainer.helpers import random_batch
 
 RTOL, ATOL = 1e-6, 1e-10
@@ -52,7 +54,8 @@ def _batches() -> list:
 def _run_tp2(schedule: list[list[str]], initial: dict[str, torch.Tensor]) -> dict[str, object]:
     """Train the batches on TP = 2 replicas following `schedule` (devices held from the k-th
     micro-batch boundary on), checking at every boundary that the replicas' TP shards agree bitwise."""
-    group = TensorParallelReplicas(_cfg(), 2, initial)
+    held: dict[str, FullState] = {"state": {"weights": initial}}  # the state while no replica holds it
+    group = TensorParallelReplicas(_cfg(), 2, lambda: held["state"], lambda s: held.update(state=s))
     boundary, sizes, norms, waiting = 0, [], [], []
     try:
         for batch in _batches():
@@ -134,3 +137,82 @@ def test_a_replica_swapped_mid_step_for_a_new_one_changes_no_bit_of_the_result()
     assert isinstance(a, dict) and isinstance(b, dict)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+# the trainer's own loop with TP = 2: devices held from the k-th boundary on (boundary 0 comes
+# before the first pull)
+TRAINER_SCHEDULE = [
+    ["d0", "d1", "d2"],  # one replica; d2 waits
+    ["d0", "d1", "d2"],
+    ["d0", "d1", "d2", "d3"],  # two replicas
+    [],  # no device mid-step: the state (gradient so far included) goes to the mirror, the loop parks
+    ["d2", "d3"],  # a new replica, seeded from the mirror, resumes the step
+]
+
+
+def _trainer(run_dir, tp: int, metrics: list[dict[str, float]]):
+    from services.trainer.loop import Trainer
+    from tests.trainer.test_elastic_dp import ListSource
+
+    cfg = _cfg().model_copy(update={"tensor_parallel_size": tp, "checkpoint_every": 100, "pull_wait_s": 0})
+
+    async def sink(weights, step_metrics):
+        metrics.append(step_metrics)
+
+    return Trainer(
+        TrainerConfig.model_validate(cfg.model_dump()), run_dir, ListSource(_batches()), sink, seed=0
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+async def test_the_trainer_loop_with_tp2_replicas_resized_and_parked_mid_step_equals_one_process(tmp_path):
+    import asyncio
+
+    reference_metrics: list[dict[str, float]] = []
+    reference = _trainer(tmp_path / "ref", 1, reference_metrics)
+    await reference.run(max_steps=NUM_STEPS)
+
+    metrics: list[dict[str, float]] = []
+    elastic = _trainer(tmp_path / "tp2", 2, metrics)
+    boundary, sizes, waiting = 0, [], []
+
+    async def give_back_later() -> None:
+        await asyncio.sleep(0.3)  # the loop is parked at the boundary meanwhile
+        elastic.set_devices(TRAINER_SCHEDULE[-1])
+        await elastic.wake()
+
+    async def follow_schedule() -> None:
+        nonlocal boundary
+        held = TRAINER_SCHEDULE[min(boundary, len(TRAINER_SCHEDULE) - 1)]
+        boundary += 1
+        elastic.set_devices(held)
+        if not held:
+            asyncio.get_running_loop().create_task(give_back_later())
+            return
+        await asyncio.to_thread(elastic.dp.apply, True)
+        sizes.append(elastic.dp.size)
+        assert elastic.tp is not None
+        waiting.append(elastic.tp.waiting_devices)
+        digests = await asyncio.to_thread(elastic.tp.replica_digests)
+        for tp_rank in range(2):
+            assert len({d[tp_rank] for d in digests}) == 1, f"replicas differ at boundary {boundary}"
+
+    elastic.boundary_hooks.append(follow_schedule)
+    elastic.set_devices(TRAINER_SCHEDULE[0])
+    try:
+        await elastic.run(max_steps=NUM_STEPS)
+    finally:
+        await asyncio.to_thread(elastic.close)
+
+    assert boundary >= len(TRAINER_SCHEDULE), "the schedule did not play out: too few micro-batches"
+    assert {1, 2} <= set(sizes) and waiting[0] == ["d2"]
+    assert [m["grad_norm"] for m in metrics] == pytest.approx(
+        [m["grad_norm"] for m in reference_metrics], rel=RTOL
+    )
+    assert [m["loss"] for m in metrics] == pytest.approx([m["loss"] for m in reference_metrics], rel=RTOL)
+    expected = dict(reference.model.named_parameters())
+    for name, value in elastic.model.named_parameters():  # the mirror: what is published and checkpointed
+        torch.testing.assert_close(value.detach(), expected[name].detach(), rtol=RTOL, atol=ATOL, msg=name)
+    assert elastic.state.step == NUM_STEPS and elastic.latest_weights.version == NUM_STEPS
