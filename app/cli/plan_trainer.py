@@ -1,8 +1,11 @@
-"""`gyre plan trainer`: memory plan of one trainer replica (services/trainer/memory_plan.py).
+"""`gyre plan trainer`: memory plan of one trainer device (services/trainer/memory_plan.py): the whole
+replica, or with --tp / --cp one of its TP x CP ranks.
 
     gyre plan trainer --model examples/models/llama-7b.yaml --tokens 32768
     gyre plan trainer --model examples/models/llama-7b.yaml --tokens 1048576 --recompute \
         --loss-chunk-tokens 4096 --dp 8 --shard-optimizer --json
+    gyre plan trainer --model examples/models/llama-7b.yaml --tokens 1048576 --recompute \
+        --loss-chunk-tokens 4096 --tp 8 --cp 8
 
 Prints params, grads, optimizer states, the KL reference (--kl-reference), activations, loss, total and the device size in GiB and
 FITS / DOES NOT FIT. Exit code 0 when it fits, 1 when not (with the remedies that would help and the
@@ -28,7 +31,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", type=Path, help="YAML mapping of ModelConfig fields; default: the tiny model"
     )
-    parser.add_argument("--tokens", type=int, required=True, help="tokens of one micro-batch on one replica")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        required=True,
+        help="tokens of one micro-batch on one replica (split over its --cp ranks)",
+    )
     parser.add_argument("--device-gib", type=float, default=80.0, help="device memory (GiB, default 80)")
     parser.add_argument(
         "--dtype", choices=["bf16", "fp32"], default="bf16", help="parameter/activation dtype"
@@ -44,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size")
     parser.add_argument("--shard-optimizer", action="store_true", help="shard Adam states over the DP group")
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor parallel size: weights, grads, optimizer and heads split"
+    )
+    parser.add_argument(
+        "--cp", type=int, default=1, help="context parallel size: each rank holds --tokens / CP tokens"
+    )
     parser.add_argument(
         "--kl-reference", action="store_true", help="count the KL reference model (bf16; kl_coef > 0)"
     )
@@ -71,7 +85,7 @@ def remedies(model: ModelConfig, plan: MemoryPlan) -> list[tuple[str, MemoryPlan
         fields = {
             k: getattr(current, k)
             for k in ("tokens", "param_dtype", "fp32_master", "dp_size", "shard_optimizer")
-            + ("recompute", "loss_chunk_tokens", "device_bytes", "kl_reference")
+            + ("recompute", "loss_chunk_tokens", "device_bytes", "kl_reference", "tp_size", "cp_size")
         }
         fields.update(change)
         current = plan_memory(model, **fields)  # type: ignore[arg-type]
@@ -104,6 +118,8 @@ def max_tokens_that_fit(model: ModelConfig, plan: MemoryPlan) -> int:
             loss_chunk_tokens=plan.loss_chunk_tokens,
             device_bytes=plan.device_bytes,
             kl_reference=plan.kl_reference,
+            tp_size=plan.tp_size,
+            cp_size=plan.cp_size,
         ).fits
 
     while lo < hi:
@@ -131,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             loss_chunk_tokens=args.loss_chunk_tokens,
             device_bytes=int(args.device_gib * GIB),
             kl_reference=args.kl_reference,
+            tp_size=args.tp,
+            cp_size=args.cp,
         )
     except (OSError, ValueError) as exc:
         print(f"gyre plan trainer: {exc}", file=sys.stderr)
@@ -161,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             f"at most {best:,} tokens per replica fit with the above" if best else "even 1 token does not fit"
         )
         print(
-            f"  more devices: {room}; split the micro-batch over a larger DP group (a single longer "
-            "sequence needs context parallelism, not modelled), or use a bigger device"
+            f"  more devices: {room}; split the micro-batch over a larger DP group, a single longer "
+            "sequence over --cp ranks, the weights over --tp ranks, or use a bigger device"
         )
     return 1
 

@@ -183,16 +183,17 @@ class TrainerConfig(ConfigModel):
         ge=1,
         description="Megatron tensor parallel ranks per replica (heads, MLP width and vocabulary split over "
         "them; the loss stays vocabulary-parallel). Must divide the model's attention heads, key/value "
-        "heads, ffn_hidden_size and vocab_size; TP x CP x DP = the devices the trainer holds. Model-level "
-        "only so far: `gyre run` trains one process per data-parallel replica and refuses values > 1 "
-        "(docs/trainer.md, 'Parallelism').",
+        "heads, ffn_hidden_size and vocab_size. Each data-parallel replica is TP worker processes, one per "
+        "device: n devices held form floor(n / TP) replicas, a leftover device waits "
+        "(services/trainer/tp_replica.py). Values > 1 need precision fp32, optimizer_sharding none and "
+        "device cpu for now (docs/trainer.md, 'Parallelism').",
     )
     context_parallel_size: int = Field(
         default=1,
         ge=1,
         description="Context parallel ranks per replica: each holds a contiguous slice of a micro-batch's "
         "tokens and all-gathers keys and values over the group (gyre/model/parallel.py). Model-level only "
-        "so far: `gyre run` refuses values > 1 (docs/trainer.md, 'Parallelism').",
+        "so far: the trainer refuses values > 1 (docs/trainer.md, 'Parallelism').",
     )
 
     @model_validator(mode="after")
@@ -215,12 +216,20 @@ class TrainerConfig(ConfigModel):
         if problem:
             raise ValueError(f"trainer.tensor_parallel_size: {problem}; pick a size that divides them all")
         if tp > 1 or cp > 1:
-            raise ValueError(
-                f"trainer.tensor_parallel_size {tp} / context_parallel_size {cp}: tensor and context "
-                "parallelism exist at the model level (gyre/model/parallel.py, tested on gloo ranks) but "
-                "`gyre run` does not start TP/CP ranks inside its data-parallel replicas yet; set both to 1 "
-                "(docs/trainer.md, 'Parallelism')"
-            )
+            if cp > 1:
+                raise ValueError(
+                    f"trainer.context_parallel_size {cp}: context parallelism exists at the model level "
+                    "(gyre/model/parallel.py, tested on gloo ranks) but the trainer does not start CP ranks "
+                    "inside its replicas yet; set it to 1 (docs/trainer.md, 'Parallelism')"
+                )
+            if self.precision != "fp32" or self.optimizer_sharding != "none" or self.device != "cpu":
+                raise ValueError(
+                    f"trainer.tensor_parallel_size {tp}: tensor-parallel replicas train with plain AdamW "
+                    "on CPU/gloo only so far (precision fp32, optimizer_sharding none, device cpu): "
+                    "MasterAdamW's clipping norm and ZeRO-1 shards are not TP-aware, and the NCCL path "
+                    f"has not run; got precision {self.precision}, optimizer_sharding "
+                    f"{self.optimizer_sharding}, device {self.device} (docs/trainer.md, 'Parallelism')"
+                )
         return self
 
     @model_validator(mode="after")

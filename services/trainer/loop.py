@@ -63,6 +63,8 @@ from services.trainer.step import (
     shard_loss_settings,
     step_batch,
 )
+from services.trainer.tp_mirror import load_mirror, mirror_state
+from services.trainer.tp_replica import TensorParallelReplicas
 from services.trainer.weights_store import prune_versions, version_path
 
 WeightsSink = Callable[[common_pb2.WeightVersion, dict[str, float]], Awaitable[None]]
@@ -91,16 +93,29 @@ class Trainer:
         self.loss_settings = shard_loss_settings(self.loss_settings)
         self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
         self.device_index: dict[str, int] = {}  # leased device -> its index on its node (cuda:N)
-        self.dp = ResizableDPGroup(
-            self.model,
-            self.optimizer,
-            self.ref_model,
-            self.replica_spec,
-            self.move_rank0,
-            rendezvous=store_address(cfg.rendezvous),
-        )
-        self.dp.request_devices([STANDALONE_DEVICE])
-        self.dp.apply()
+        # TP > 1: the step runs in replicas of TP processes; self.model is their mirror (tp_mirror.py)
+        self.tp: TensorParallelReplicas | None = None
+        self.dp: ResizableDPGroup | TensorParallelReplicas
+        if cfg.tensor_parallel_size > 1:
+            self.dp = self.tp = TensorParallelReplicas(
+                cfg,
+                cfg.tensor_parallel_size,
+                lambda: mirror_state(self.model, self.optimizer, self.ref_model),
+                lambda state: load_mirror(self.model, self.optimizer, state, grads=True),
+                rendezvous=store_address(cfg.rendezvous),
+            )
+            self.dp.request_devices([f"{STANDALONE_DEVICE}{i}" for i in range(cfg.tensor_parallel_size)])
+        else:
+            self.dp = ResizableDPGroup(
+                self.model,
+                self.optimizer,
+                self.ref_model,
+                self.replica_spec,
+                self.move_rank0,
+                rendezvous=store_address(cfg.rendezvous),
+            )
+            self.dp.request_devices([STANDALONE_DEVICE])
+            self.dp.apply()
         self.stopping = False
         self.step_lock = asyncio.Lock()
         self.boundary = asyncio.Condition()  # notified after every boundary
@@ -142,13 +157,15 @@ class Trainer:
         for hook in self.boundary_hooks:
             await hook()
         while True:
-            if not self.dp.settled():
-                await asyncio.to_thread(self.dp.apply)
+            if not self.dp.settled():  # TP replicas boot in the background: wait when none trains
+                await asyncio.to_thread(self.dp.apply, self.tp is not None and self.dp.size == 0)
             async with self.boundary:
                 self.parked = self.dp.size == 0
                 self.boundary.notify_all()
                 if not self.parked or self.stopping:
                     return
+                if not self.dp.settled():  # devices set while apply ran (its wake came too early)
+                    continue
                 await self.boundary.wait()  # set_devices or stop notifies
 
     async def wake(self) -> None:
@@ -260,6 +277,8 @@ class Trainer:
         start = time.perf_counter()
         self.step_in_progress = True
         begin_step(self.optimizer)
+        if self.tp is not None and self.tp.size:
+            self.tp.begin_step()
         shard_metrics: list[dict[str, float]] = []
         sizes: list[int] = []
         step: list[PackedBatch] = []  # the step's parts (one without streaming)
@@ -348,12 +367,20 @@ class Trainer:
                     g.mul_(grad_factor)
         if weight_factor != 1.0:  # scaled in the training dtype, before the shards go out
             micro = micro.to("cpu", dtype).scaled(weight_factor)
+        if self.tp is not None:
+            return self.tp.micro(micro.to("cpu", dtype), grad_factor)
+        assert isinstance(self.dp, ResizableDPGroup)
         shard = self.dp.scatter(micro).to(param.device, dtype)
         metrics = backward_micro(self.model, shard, self.loss_settings, self.ref_model)
         self.dp.reduce_gradients(self.model)
         return [metrics, *self.dp.gather_metrics()]
 
     def _finish(self) -> float:
+        if self.tp is not None:  # the replicas step; the mirror takes their new weights and state
+            tp_norm = self.tp.finish_step()
+            load_mirror(self.model, self.optimizer, self.tp.full_state(), grads=False)
+            return tp_norm
+        assert isinstance(self.dp, ResizableDPGroup)
         self.dp.finish_step()
         norm = finish_step(self.model, self.optimizer, self.cfg.grad_clip)
         self.dp.wait_finished()
@@ -387,7 +414,11 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         """Rank 0 writes the model and state; with a MasterAdamW every rank writes its optimizer shard."""
-        writer = self.dp.save_optimizer if isinstance(self.optimizer, MasterAdamW) else None
+        writer = (
+            self.dp.save_optimizer
+            if isinstance(self.dp, ResizableDPGroup) and isinstance(self.optimizer, MasterAdamW)
+            else None
+        )
         return self.store.save(self.model, self.optimizer, self.state, writer)
 
     async def ack_covered(self) -> None:

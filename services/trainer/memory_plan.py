@@ -48,8 +48,20 @@ total = params + grads + optimizer + reference + activations + loss; fits = tota
 NOT counted: allocator fragmentation and caching slack (often 5-20%), the CUDA context and kernel
 workspaces (cuBLAS, flash attention), NCCL communication buckets, gradient all-reduce buffers,
 temporaries of one op (e.g. a matmul output freed before the next),
-token ids / targets / advantages, and pipeline or tensor parallelism (not modelled: one replica holds
-the whole model).
+token ids / targets / advantages, pipeline parallelism (not modelled), and under CP the tree mask of
+a rank's rows (T/CP x T booleans on CPU, a block mask on CUDA).
+
+Tensor and context parallelism (`tp_size`, `cp_size`; a replica is TP x CP devices, the plan is one
+of them; no sequence parallelism, as in the trainer):
+    params, grads, optimizer, reference: per TP rank, N_r = (N - R) / TP + R, where R are the
+                replicated parameters (norms, qk norms, learned positions, row-parallel biases);
+                everything else (embedding/output rows, q/k/v, projections, MLP) is split
+    activations: per CP rank t = ceil(T / CP) tokens; per token per layer
+                A_r = p * (4*h + (2*a*d + 2*g*d + 4*f [+ a*d + g*d]) / TP) + 4*a / TP
+                (norm inputs/outputs are whole on every TP rank); with CP > 1 each layer also keeps
+                the all-gathered keys and values of the other ranks' tokens, (T - t) * p * 2*g*d / TP
+                (under recompute: of the one layer rebuilt)
+    loss:       vocabulary-parallel, min(C, t) * V/TP * 4 * 3, plus t * h * p * 2
 """
 
 from __future__ import annotations
@@ -57,7 +69,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from gyre.model.config import ModelConfig
+from gyre.model.config import ModelConfig, tensor_parallel_problem
 
 GIB = 2**30
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp32": 4}
@@ -93,8 +105,30 @@ def parameter_count(model: ModelConfig) -> int:
     return count + h * norm
 
 
-def activation_bytes_per_token_layer(model: ModelConfig, act_bytes: int) -> int:
-    """A: bytes one layer keeps for backward per token without recompute (module docstring)."""
+def replicated_parameter_count(model: ModelConfig) -> int:
+    """Parameters every tensor-parallel rank holds whole: norms (qk norms included), learned
+    positions, and the biases of the row-parallel projections (attention output, MLP fc2)."""
+    h, d = model.hidden_size, model.head_dim
+    norm = 2 if model.normalization == "LayerNorm" else 1
+    count = model.max_position_embeddings * h if model.position_embedding == "learned" else 0
+    per_layer = 2 * h * norm + (2 * d * norm if model.qk_layernorm else 0)
+    if model.add_bias_linear:
+        per_layer += 2 * h
+    return count + model.num_layers * per_layer + h * norm
+
+
+def rank_parameter_count(model: ModelConfig, tp_size: int = 1) -> int:
+    """Parameters one tensor-parallel rank holds: the split ones (embedding and output rows, q/k/v,
+    projections, MLP weights and their column-parallel biases) / TP, plus the replicated ones whole.
+    TP must divide what it splits (`gyre.model.config.tensor_parallel_problem`)."""
+    replicated = replicated_parameter_count(model)
+    return (parameter_count(model) - replicated) // tp_size + replicated
+
+
+def activation_bytes_per_token_layer(model: ModelConfig, act_bytes: int, tp_size: int = 1) -> int:
+    """A: bytes one layer keeps for backward per token without recompute on one TP rank (module
+    docstring): heads and MLP width are split over TP, the norms' inputs and outputs are not (no
+    sequence parallelism)."""
     h, d, a, g, f = (
         model.hidden_size,
         model.head_dim,
@@ -103,15 +137,16 @@ def activation_bytes_per_token_layer(model: ModelConfig, act_bytes: int) -> int:
         model.ffn_hidden_size,
     )
     mlp = 4 * f if model.swiglu else 2 * f
-    elements = 4 * h + 2 * a * d + 2 * g * d + mlp
+    split = 2 * a * d + 2 * g * d + mlp
     if model.qk_layernorm:
-        elements += a * d + g * d
-    return act_bytes * elements + 4 * a
+        split += a * d + g * d
+    return act_bytes * (4 * h + split // tp_size) + 4 * a // tp_size
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes one trainer replica needs, by part, and whether they fit in `device_bytes`."""
+    """Bytes one device of a trainer replica needs (one TP x CP rank; the whole replica when both
+    are 1), by part, and whether they fit in `device_bytes`."""
 
     parameter_count: int
     params: int
@@ -129,6 +164,8 @@ class MemoryPlan:
     loss_chunk_tokens: int | None
     reference: int = 0
     kl_reference: bool = False
+    tp_size: int = 1
+    cp_size: int = 1
 
     @property
     def total(self) -> int:
@@ -168,32 +205,42 @@ def plan_memory(
     loss_chunk_tokens: int | None,
     device_bytes: int,
     kl_reference: bool = False,
+    tp_size: int = 1,
+    cp_size: int = 1,
 ) -> MemoryPlan:
-    """Memory of one trainer replica training `tokens` tokens per micro-batch (module docstring)."""
+    """Memory of one device of a trainer replica training `tokens` tokens per micro-batch, the replica
+    being TP x CP devices (module docstring); ValueError when TP does not divide the model."""
     if param_dtype not in DTYPE_BYTES:
         raise ValueError(f"param_dtype must be one of {sorted(DTYPE_BYTES)}, not {param_dtype!r}")
     if optimizer != "adam":
         raise ValueError(f"only the 'adam' optimizer is modelled, not {optimizer!r}")
-    if tokens < 1 or dp_size < 1 or device_bytes < 0:
-        raise ValueError("tokens and dp_size must be >= 1 and device_bytes >= 0")
+    if tokens < 1 or dp_size < 1 or tp_size < 1 or cp_size < 1 or device_bytes < 0:
+        raise ValueError("tokens, dp_size, tp_size and cp_size must be >= 1 and device_bytes >= 0")
+    problem = tensor_parallel_problem(model, tp_size)
+    if problem:
+        raise ValueError(problem)
     if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
         raise ValueError("loss_chunk_tokens must be >= 1 (or None for the full loss)")
     p = DTYPE_BYTES[param_dtype]
     n = parameter_count(model)
-    states = 8 * n + (4 * n if p == 2 and fp32_master else 0)
+    n_rank = rank_parameter_count(model, tp_size)
+    states = 8 * n_rank + (4 * n_rank if p == 2 and fp32_master else 0)
     if shard_optimizer:
         states = -(-states // dp_size)
-    per_layer = activation_bytes_per_token_layer(model, p)
+    t = -(-tokens // cp_size)  # this CP rank's tokens
+    per_layer = activation_bytes_per_token_layer(model, p, tp_size)
+    # CP: each layer keeps the all-gathered keys and values of the other ranks' tokens too
+    gathered_kv = (tokens - t) * p * 2 * model.kv_heads * model.head_dim // tp_size if cp_size > 1 else 0
     if recompute:
-        activations = tokens * model.num_layers * p * model.hidden_size + tokens * per_layer
+        activations = t * model.num_layers * p * model.hidden_size + t * per_layer + gathered_kv
     else:
-        activations = tokens * model.num_layers * per_layer
-    loss_tokens = tokens if loss_chunk_tokens is None else min(loss_chunk_tokens, tokens)
-    loss = loss_tokens * model.vocab_size * 4 * LOSS_FP32_COPIES + tokens * model.hidden_size * p * 2
+        activations = model.num_layers * (t * per_layer + gathered_kv)
+    loss_tokens = t if loss_chunk_tokens is None else min(loss_chunk_tokens, t)
+    loss = loss_tokens * (model.vocab_size // tp_size) * 4 * LOSS_FP32_COPIES + t * model.hidden_size * p * 2
     return MemoryPlan(
         parameter_count=n,
-        params=n * p,
-        grads=n * (4 if p == 2 and fp32_master else p),
+        params=n_rank * p,
+        grads=n_rank * (4 if p == 2 and fp32_master else p),
         optimizer=states,
         activations=activations,
         loss=loss,
@@ -205,6 +252,8 @@ def plan_memory(
         shard_optimizer=shard_optimizer,
         recompute=recompute,
         loss_chunk_tokens=loss_chunk_tokens,
-        reference=2 * n if kl_reference else 0,
+        reference=2 * n_rank if kl_reference else 0,
         kl_reference=kl_reference,
+        tp_size=tp_size,
+        cp_size=cp_size,
     )

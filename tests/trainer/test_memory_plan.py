@@ -96,3 +96,33 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     )
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits"] is True and doc["total"] <= doc["device_bytes"]
+
+
+def test_tensor_and_context_parallel_divide_a_devices_share_as_the_trainer_splits_it() -> None:
+    model = load_model(LLAMA_7B)
+    whole = _plan(model, recompute=True, loss_chunk_tokens=4096)
+    tp8 = _plan(model, recompute=True, loss_chunk_tokens=4096, tp_size=8)
+    # only norms are replicated in Llama (no biases, RoPE): a little more than 1/8 of the state each
+    for part in ("params", "grads", "optimizer"):
+        assert getattr(whole, part) / 8 < getattr(tp8, part) < getattr(whole, part) / 8 * 1.001
+    # no sequence parallelism: the layer inputs kept under recompute stay whole on every TP rank
+    layer_inputs = 32768 * model.num_layers * 2 * model.hidden_size
+    assert tp8.activations > layer_inputs
+    cp4 = _plan(model, recompute=True, loss_chunk_tokens=4096, cp_size=4)
+    assert cp4.params == whole.params
+    assert cp4.activations < whole.activations / 3  # T/4 tokens, plus the gathered keys and values
+    gathered_kv = (32768 - 8192) * 2 * 2 * model.kv_heads * model.head_dim
+    assert (
+        cp4.activations
+        == _plan(model, tokens=8192, recompute=True, loss_chunk_tokens=4096).activations + gathered_kv
+    )
+    with pytest.raises(ValueError, match="must divide"):
+        _plan(model, tp_size=3)
+
+
+def test_gyre_plan_trainer_takes_tp_and_cp(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", str(LLAMA_7B), "--tokens", "1048576", "--recompute", "--loss-chunk-tokens", "4096"]
+    assert main(args) == 1
+    assert main([*args, "--tp", "8", "--cp", "8"]) == 0
+    assert "tp_size=8, cp_size=8" in capsys.readouterr().out
+    assert main([*args, "--tp", "3"]) == 2

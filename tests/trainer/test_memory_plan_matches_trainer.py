@@ -60,3 +60,39 @@ def test_the_planned_zero1_shard_bounds_what_each_rank_is_assigned():
         assert sum(per_rank) == 12 * sum(numels)
         assert max(per_rank) <= plan.optimizer + 12 * max(numels)
         assert min(per_rank) >= plan.optimizer - 12 * max(numels)
+
+
+def test_the_planned_tensor_parallel_shard_is_what_the_model_splits_to_each_rank():
+    import torch
+
+    from gyre.model import ModelConfig, build_model
+    from gyre.model.tp_shard import shard_of
+
+    configs = [
+        ModelConfig(num_query_groups=4, num_attention_heads=8),
+        ModelConfig(
+            normalization="LayerNorm",
+            swiglu=False,
+            add_bias_linear=True,
+            position_embedding="learned",
+            tie_embeddings=True,
+            ffn_hidden_size=128,
+        ),
+        ModelConfig(qk_layernorm=True, add_qkv_bias=True),
+    ]
+    for model_cfg in configs:
+        model = build_model(model_cfg, dtype=torch.float32, seed=0)
+        for tp in (1, 2, 4):
+            plan = plan_memory(
+                model_cfg,
+                tokens=64,
+                param_dtype="fp32",
+                fp32_master=False,
+                recompute=False,
+                loss_chunk_tokens=None,
+                device_bytes=0,
+                tp_size=tp,
+            )
+            for rank in range(tp):
+                shard = [shard_of(model, n, p, tp, rank) for n, p in model.named_parameters()]
+                assert plan.params == _bytes(shard), (model_cfg, tp, rank)

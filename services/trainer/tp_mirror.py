@@ -1,0 +1,59 @@
+"""The trainer process's whole-model mirror of tensor-parallel replicas (trainer.tensor_parallel_size > 1).
+
+With TP the step runs in the replicas' processes (`tp_replica.TensorParallelReplicas`), while the step
+loop keeps writing checkpoints and publishing weights from its own TP = 1 model and AdamW, as it does
+without TP. That model is a mirror:
+
+    after every optimizer step   the replicas' weights and AdamW state, gathered to full shapes, are
+                                 copied into it (what checkpoints and published versions hold)
+    the last replica leaves      the whole state, the step's gradient so far included, is copied into
+                                 it (`keep`), so a step survives holding no device
+    a group forms from none      its replicas start from it (`seed`): weights, reference weights,
+                                 AdamW state and the gradient so far, each TP rank cutting its shards
+                                 (at start-up that is the checkpoint the loop restored)
+
+Cost: the trainer process holds the whole model and optimizer state in its own memory (on the CPU),
+and each step gathers them once over the TP group and sends them over the replica pipe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from services.trainer.tp_replica import FullState
+
+
+def mirror_state(model: Any, optimizer: Any, ref_model: Any | None) -> FullState:
+    """The mirror's state as a seed for a new group (copies: the seed is pickled to the replicas)."""
+    params = dict(model.named_parameters())
+    state: FullState = {
+        "weights": {n: p.detach().clone() for n, p in params.items()},
+        "grads": {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None},
+        "optimizer": {
+            n: {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+            for n, p in params.items()
+            if optimizer.state.get(p)
+        },
+    }
+    if ref_model is not None:
+        state["reference"] = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    return state
+
+
+def load_mirror(model: Any, optimizer: Any, state: FullState, grads: bool) -> None:
+    """Copy a gathered state into the mirror: weights and AdamW state, and with `grads` the gradients
+    (left as they are otherwise)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state["weights"].items():
+            params[name].copy_(value)
+        for name, entry in state.get("optimizer", {}).items():
+            optimizer.state[params[name]] = {
+                k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()
+            }
+        if grads:
+            for name, p in params.items():
+                g = state.get("grads", {}).get(name)
+                p.grad = None if g is None else g.to(p.dtype).clone()
