@@ -26,6 +26,24 @@ from tests.job.conftest import write_synthetic_run
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_chaos(args: list[str], tmp_path: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`python -m app.chaos ARGS` with stderr kept in a file, so that a run that overstays its budget
+    fails with the tail of what it printed instead of a bare timeout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    err_path = tmp_path / "chaos.stderr"
+    with err_path.open("w") as err:
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "app.chaos", *args],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout_s,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"gyre chaos ran past {timeout_s} s; its stderr ends:\n{err_path.read_text()[-4000:]}"
+            )
+    return subprocess.CompletedProcess(out.args, out.returncode, out.stdout, err_path.read_text())
+
+
 def _lease(kind: str, device: str, holder: str, epoch: int) -> dict:
     return {"kind": kind, "lease": {"device_id": device, "holder": holder, "epoch": str(epoch)}}
 
@@ -120,16 +138,13 @@ def test_a_trainer_killed_and_restarted_ends_bitwise_equal_to_an_uninterrupted_o
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.timeout(1600)
 def test_a_job_whose_rollout_is_killed_restarts_it_and_completes_losing_nothing(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "app.chaos", "examples/quickstart.yaml", "--json", "--steps", "5"]
+    proc = run_chaos(
+        ["examples/quickstart.yaml", "--json", "--steps", "5"]
         + ["--targets", "rollout", "--run-dir", str(tmp_path / "run")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
+        tmp_path,
+        timeout_s=1500,
     )
     assert proc.stdout.strip(), proc.stderr[-4000:]
     result = json.loads(proc.stdout)
@@ -167,18 +182,15 @@ def test_executions_live_at_an_engine_kill_must_finish_and_one_that_fails_or_nev
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.timeout(1600)
 def test_a_job_on_a_nats_cluster_survives_an_engine_kill_and_the_loss_of_the_steps_stream_leader(
     tmp_path: Path,
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "app.chaos", "examples/quickstart.yaml", "--json", "--steps", "6"]
+    proc = run_chaos(
+        ["examples/quickstart.yaml", "--json", "--steps", "6"]
         + ["--targets", "engine,nats-node", "--run-dir", str(tmp_path / "run")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
+        tmp_path,
+        timeout_s=1500,
     )
     assert proc.stdout.strip(), proc.stderr[-4000:]
     result = json.loads(proc.stdout)
@@ -238,6 +250,7 @@ def test_killing_everything_reaches_the_launcher_tree_and_what_names_the_run_dir
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.timeout(2500)
 def test_a_run_whose_every_process_is_killed_resumes_its_live_executions_and_continues_its_step_count(
     tmp_path: Path,
 ) -> None:
@@ -247,15 +260,10 @@ def test_a_run_whose_every_process_is_killed_resumes_its_live_executions_and_con
     raw["rollout"].update(longhorizon_min_turns=40, longhorizon_max_turns=48)  # executions live for seconds
     config = tmp_path / "long.yaml"
     config.write_text(yaml.safe_dump(raw))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "app.chaos", str(config), "--json", "--resume", "--steps", "12"]
-        + ["--run-dir", str(tmp_path / "run")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=2400,
+    proc = run_chaos(
+        [str(config), "--json", "--resume", "--steps", "12"] + ["--run-dir", str(tmp_path / "run")],
+        tmp_path,
+        timeout_s=2400,
     )
     assert proc.stdout.strip(), proc.stderr[-4000:]
     result = json.loads(proc.stdout)
