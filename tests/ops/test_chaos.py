@@ -269,7 +269,10 @@ def test_a_run_whose_every_process_is_killed_resumes_its_live_executions_and_con
     result = json.loads(proc.stdout)
     assert result["processes_killed"] >= 6  # launcher, NATS, Postgres and the four services at least
     assert 1 <= result["step_at_kill"] < 12
-    assert result["completed"] is True and result["steps_continuous"] is True
+    assert result["completed"] is True and result["steps_continuous"] is True, (
+        {k: result.get(k) for k in ("end_reason", "step_at_kill", "completed", "steps_continuous")},
+        proc.stderr[-4000:],
+    )
     assert result["final_step"] >= 12
     live = result["executions_live_at_kill"]
     assert live > 0, result  # the kill waits for executions live in the event log
