@@ -214,8 +214,8 @@ async def inject(deployment: Any, tracker: Any, faults: list[Fault]) -> None:
                 fault.injected_at = time.time()
                 os.killpg(cluster.nodes[index].pid, signal.SIGKILL)
             else:
-                fault.injected_at = time.time()
                 _kill(deployment, fault.target)
+                fault.injected_at = time.time()  # once SIGKILL was sent: nothing it ends after is ours
             deadline = fault.injected_at + RECOVERY_TIMEOUT_S
 
             async def back(f: Fault = fault, name: str = expect, status: Any = before) -> bool:

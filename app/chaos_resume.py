@@ -171,8 +171,11 @@ def run_resume_chaos(
         records = _events(run_dir)
         fault.step_at_kill = max(_versions(records), default=0)
         fault.detail["live_in_event_log"] = _live(records)
-        fault.injected_at = time.time()
         fault.detail["processes_killed"] = kill_everything(first.pid, run_dir)
+        # The kill's time is when the last SIGKILL was sent, not when we decided to kill: finding
+        # the processes takes a moment in which executions still end (and such an execution, ended
+        # by the first run, is not one that was live at the kill).
+        fault.injected_at = time.time()
     finally:
         if first.poll() is None:
             first.kill()

@@ -58,6 +58,7 @@ from gyre.bus.wire import (
     DEAD_SUBJECT_HEADER,
     DENIED_LOG,
     PUBLISH_DUPLICATES,
+    PUBLISH_RETRIES,
     PUBLISHED,
     headers_size,
     log,
@@ -66,6 +67,17 @@ from gyre.bus.wire import (
     same_stream_config,
 )
 from gyre.errors import InvalidArgument, PayloadTooLarge, Unavailable
+
+# How long Bus.publish keeps repeating an unanswered publish (s): a JetStream leader election after a
+# cluster node dies takes a few seconds; a single server that stays down fails after this.
+PUBLISH_PATIENCE_S = 30.0
+# Errors that mean "nobody answered this publish yet", not "refused": safe to repeat with the same id.
+_UNANSWERED = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
 
 
 class Bus:
@@ -257,22 +269,59 @@ class Bus:
             log.warning("dead letter of %s on %s could not be stored: %r", service, subject, exc)
 
     async def publish(
-        self, subject: str, msg: Message, *, msg_id: str | None = None, timeout_s: float = 10.0
+        self,
+        subject: str,
+        msg: Message,
+        *,
+        msg_id: str | None = None,
+        timeout_s: float = 10.0,
+        patience_s: float = PUBLISH_PATIENCE_S,
     ) -> api.PubAck:
         """Store `msg` on its stream and wait for the ack. `msg_id` is the dedup key (pass event_id);
-        None only where duplicates are harmless. Unavailable if the stream does not answer in time."""
+        None only where duplicates are harmless.
+
+        Each attempt waits up to `timeout_s` for the ack; an attempt that gets no answer (a stream
+        whose leader is being elected after a nats-server of a cluster died answers "no responders"
+        or "unavailable" for a few seconds) is repeated, with the same Nats-Msg-Id so the stream stores
+        the message once, until `patience_s` seconds have passed since the first; then Unavailable."""
         data, headers = self.encode(subject, msg, msg_id)
-        try:
-            ack = await self.js.publish(subject, data, timeout=timeout_s, headers=headers)
-        except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
-            raise Unavailable(
-                f"no ack from JetStream for {subject} within {timeout_s} s ({exc!r}); retry with the same "
-                "msg_id; if it persists, check that the streams exist (Bus.ensure_streams)"
-            ) from exc
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            left = patience_s - (time.monotonic() - started)
+            try:
+                ack = await self.js.publish(
+                    subject, data, timeout=max(0.5, min(timeout_s, left)), headers=headers
+                )
+                break
+            except _UNANSWERED as exc:
+                left = patience_s - (time.monotonic() - started)
+                refusal = self._refused_publish(subject)
+                if refusal:  # not unanswered but forbidden: the server said so; repeating cannot help
+                    raise Unavailable(
+                        f"the server refused this connection's user a publish to {subject} ({refusal})"
+                    ) from exc
+                if left <= 0:
+                    raise Unavailable(
+                        f"no ack from JetStream for {subject} in {attempt} attempt(s) over "
+                        f"{time.monotonic() - started:.1f} s ({exc!r}); retry with the same msg_id; if it "
+                        "persists, check that the streams exist (Bus.ensure_streams)"
+                    ) from exc
+                PUBLISH_RETRIES.inc()
+                await asyncio.sleep(min(left, 0.25 * attempt))
         PUBLISHED.labels(ack.stream).inc()
         if ack.duplicate:
             PUBLISH_DUPLICATES.labels(ack.stream).inc()
         return ack
+
+    def _refused_publish(self, subject: str) -> str:
+        """The server's permissions-violation error for a publish to `subject` on this connection, if
+        it sent one ('' otherwise)."""
+        for error in reversed(self.permission_errors):
+            if "publish" in error.lower() and f'"{subject}"' in error:
+                return error
+        return ""
 
     async def last(self, subject: str, msg_type: type[M]) -> M | None:
         """The newest message stored on `subject` (a concrete subject), decoded; None when none is.

@@ -29,6 +29,10 @@ HEADER_BLOCK_OVERHEAD = len("NATS/1.0\r\n") + len("\r\n")
 SEEN_IDS = 65_536
 
 PUBLISHED = Counter("gyre_bus_published_total", "Messages stored by JetStream", ["stream"])
+PUBLISH_RETRIES = Counter(
+    "gyre_bus_publish_retries_total",
+    "Publishes repeated (same msg_id) because JetStream did not answer, e.g. during a leader election",
+)
 PUBLISH_DUPLICATES = Counter(
     "gyre_bus_publish_duplicates_total",
     "Publishes dropped by the stream as duplicates of a msg_id (same event id and same payload)",

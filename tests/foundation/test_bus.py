@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from gyre.bus import Bus, subjects
-from gyre.errors import InvalidArgument, PayloadTooLarge
+from gyre.errors import InvalidArgument, PayloadTooLarge, Unavailable
 from gyre.v1 import events_pb2
 
 
@@ -299,3 +299,30 @@ async def test_last_is_the_newest_stored_message_of_a_subject_or_none(bus: Bus, 
         await bus.publish(subject, event, msg_id=event.event_id)
     last = await bus.last(subject, events_pb2.WeightsPublishedEvent)
     assert last is not None and last.weights.version == 7
+
+
+async def test_a_publish_no_stream_answers_yet_is_repeated_until_one_does_and_stored_once(
+    bus: Bus, run_id: str
+) -> None:
+    """What a leader election after a cluster node's death looks like to a publisher: for a few
+    seconds nobody answers for the stream. Bus.publish repeats the same message (same id) until the
+    stream is back, within its patience, and the stream stores it once."""
+    subject = f"gyretest.{run_id}.late"
+    stream = f"GYRETEST_{run_id.upper()}"
+    publish = asyncio.create_task(bus.publish(subject, _step(run_id, 0), msg_id="once", patience_s=20.0))
+    await asyncio.sleep(1.5)  # several unanswered attempts
+    assert not publish.done()
+    await bus.js.add_stream(name=stream, subjects=[subject])
+    try:
+        ack = await publish
+        info = await bus.js.stream_info(stream)
+        assert ack.stream == stream and info.state.messages == 1
+    finally:
+        await bus.js.delete_stream(stream)
+
+
+async def test_a_publish_nobody_answers_within_its_patience_is_unavailable(bus: Bus, run_id: str) -> None:
+    with pytest.raises(Unavailable, match="attempt"):
+        await bus.publish(
+            f"gyretest.{run_id}.none", _step(run_id, 0), msg_id="x", timeout_s=0.5, patience_s=2.0
+        )
