@@ -202,6 +202,10 @@ def run_resume_chaos(
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         pass
+    try:  # why the resumed run ended (app/job/run.py writes it beside the report)
+        end_reason = str(json.loads((run_dir / "outcome.json").read_text()).get("reason", ""))
+    except (OSError, ValueError):
+        end_reason = f"no outcome.json: see {log_dir / f'{run_dir.name}.resume.log'}"
     return {
         "fault": {**fault.__dict__},
         "wall_s": round(wall_s, 1),
@@ -215,6 +219,7 @@ def run_resume_chaos(
         and max(per_version) >= steps
         and max(per_version.values()) == 1,
         "completed": bool(summary.get("completed")) and fault.recovered,
+        "end_reason": end_reason,
         "summary": summary,
         **counters,
     }

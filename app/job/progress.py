@@ -77,7 +77,7 @@ class RunTracker:
             counts[0] += 1
             counts[1] += teaches_nothing(ev)
         elif kind == "ExecutionEvent":
-            if ev.get("kind") == "KIND_STARTED":
+            if ev.get("kind") in ("KIND_STARTED", "KIND_RESUMED"):  # resumed: live again in this run
                 self.executions["started"] += 1
             elif ev.get("kind"):
                 self.executions["ended"] += 1

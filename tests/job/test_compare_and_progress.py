@@ -70,3 +70,13 @@ def test_the_progress_line_never_counts_past_the_target_step(
         tracker.update(record)
     assert tracker.version == 4
     assert tracker.line().startswith("step 3/3 (+1 while stopping)")
+
+
+def test_a_resumed_execution_counts_as_live_again_not_as_ended() -> None:
+    """A resumed run's tracker sees RESUMED for the executions its predecessor left running, then
+    their ends: the progress line must read 1/1 when one ends, never '1 ended of 0 started'."""
+    tracker = RunTracker(target_steps=3)
+    for kind in ("KIND_RESUMED", "KIND_TRUNCATED"):
+        tracker.update({"type": "ExecutionEvent", "event": {"execution_id": "e1", "kind": kind}})
+    assert tracker.executions == {"started": 1, "ended": 1}
+    assert "executions 1/1" in tracker.line()

@@ -258,6 +258,7 @@ def test_a_run_whose_every_process_is_killed_resumes_its_live_executions_and_con
 
     raw = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
     raw["rollout"].update(longhorizon_min_turns=40, longhorizon_max_turns=48)  # executions live for seconds
+    raw["job"]["timeout_s"] = 1800  # each of the two runs; the quickstart's 600 s is for an idle machine
     config = tmp_path / "long.yaml"
     config.write_text(yaml.safe_dump(raw))
     proc = run_chaos(
@@ -272,6 +273,7 @@ def test_a_run_whose_every_process_is_killed_resumes_its_live_executions_and_con
     assert result["completed"] is True and result["steps_continuous"] is True, (
         {k: result.get(k) for k in ("end_reason", "step_at_kill", "completed", "steps_continuous")},
         proc.stderr[-4000:],
+        (tmp_path / "run.resume.log").read_text()[-4000:] if (tmp_path / "run.resume.log").is_file() else "",
     )
     assert result["final_step"] >= 12
     live = result["executions_live_at_kill"]
