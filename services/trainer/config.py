@@ -185,8 +185,9 @@ class TrainerConfig(ConfigModel):
         "them; the loss stays vocabulary-parallel). Must divide the model's attention heads, key/value "
         "heads, ffn_hidden_size and vocab_size. Each data-parallel replica is TP x CP worker processes, one "
         "per device: n devices held form floor(n / (TP x CP)) replicas, a leftover device waits "
-        "(services/trainer/tp_replica.py). Values > 1 need precision fp32, optimizer_sharding none and "
-        "device cpu for now (docs/trainer.md, 'Parallelism').",
+        "(services/trainer/tp_replica.py); with a MasterAdamW (precision bf16 or optimizer_sharding "
+        "zero1) each TP rank shards its own parameters over its data-parallel group and clipping uses the "
+        "whole model's norm. Values > 1 need device cpu for now (docs/trainer.md, 'Parallelism').",
     )
     context_parallel_size: int = Field(
         default=1,
@@ -196,8 +197,7 @@ class TrainerConfig(ConfigModel):
         "and backpropagates the loss terms of the tokens it owns; gradients are summed over the CP group. "
         "A data-parallel replica is TP x CP worker processes, one per device: n devices held form "
         "floor(n / (TP x CP)) replicas, a leftover device waits (services/trainer/tp_replica.py). Values "
-        "> 1 need precision fp32, optimizer_sharding none and device cpu for now (docs/trainer.md, "
-        "'Parallelism').",
+        "> 1 need device cpu for now (docs/trainer.md, 'Parallelism').",
     )
 
     @model_validator(mode="after")
@@ -219,15 +219,11 @@ class TrainerConfig(ConfigModel):
         problem = tensor_parallel_problem(self.model, tp)
         if problem:
             raise ValueError(f"trainer.tensor_parallel_size: {problem}; pick a size that divides them all")
-        if (tp > 1 or cp > 1) and (
-            self.precision != "fp32" or self.optimizer_sharding != "none" or self.device != "cpu"
-        ):
+        if (tp > 1 or cp > 1) and self.device != "cpu":
             raise ValueError(
                 f"trainer.tensor_parallel_size {tp} x context_parallel_size {cp}: model-parallel replicas "
-                "train with plain AdamW on CPU/gloo only so far (precision fp32, optimizer_sharding none, "
-                "device cpu): MasterAdamW's clipping norm and ZeRO-1 shards are not TP-aware, and the NCCL "
-                f"path has not run; got precision {self.precision}, optimizer_sharding "
-                f"{self.optimizer_sharding}, device {self.device} (docs/trainer.md, 'Parallelism')"
+                f"run on CPU/gloo only so far (device cpu; the NCCL path has not run); got device "
+                f"{self.device} (docs/trainer.md, 'Parallelism')"
             )
         return self
 

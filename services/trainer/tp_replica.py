@@ -43,15 +43,18 @@ Guarantees
   float summation order (float64, rtol 1e-6, with resizes: tests/trainer/test_elastic_tp_dp.py for
   TP = 2, tests/trainer/test_elastic_cp_dp.py for CP = 2). The metrics of each replica's TP rank 0
   of every CP rank count the tokens that CP rank owns; added up they are the micro-batch's.
-- Optimizer: plain AdamW only (precision fp32, optimizer_sharding none); the constructor refuses the
-  MasterAdamW paths, whose norms and shards are not TP-aware yet.
+- Optimizer: plain AdamW, or a MasterAdamW (bf16 masters and/or ZeRO-1) whose clipping norm spans the
+  TP group (`MasterAdamW.set_tensor_parallel`) and whose shards are each TP rank's own parameters over
+  its position's DP group. With ZeRO-1, before a resize that changes the group every position's shards
+  are gathered (point to point) onto the first staying replica, which becomes DP rank 0 and re-shards
+  over the new group; `full_state` gathers them onto DP rank 0 and gives them back. TP = 2 with zero1
+  equals TP = 2 with plain AdamW bit for bit under the same resizes (tests/trainer/test_tp_master_adamw.py).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import math
 import multiprocessing
 import pickle
 import traceback
@@ -64,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.errors import InvalidArgument
+from services.trainer import named_state
 from services.trainer.batch import PackedBatch
 from services.trainer.collectives import flat_by_dtype, unflatten_into
 from services.trainer.config import TrainerConfig
@@ -79,7 +83,9 @@ from services.trainer.dp_group import (
     replica_digest,
     sync_replica,
 )
+from services.trainer.grad_clip import clip_over_tensor_parallel, is_split
 from services.trainer.rendezvous import LOCAL_HOST, host_store, join_store
+from services.trainer.sharded_optimizer import MasterAdamW
 
 log = logging.getLogger(__name__)
 
@@ -101,26 +107,11 @@ def replicas_of(held: list[str], kept: list[tuple[str, ...]], replica_size: int)
 def clip_tensor_parallel(model: Any, grad_clip: float, tp_group: Any) -> float:
     """Clip the gradients of this TP rank's shard to the whole model's norm `grad_clip` (0: no clip)
     and return the pre-clip norm (0.0 when not clipping), as `torch.nn.utils.clip_grad_norm_` does
-    for the unsplit model: coefficient min(1, clip / (norm + 1e-6))."""
-    if not grad_clip:
-        return 0.0
-    grads_split: list[torch.Tensor] = []
-    grads_replicated: list[torch.Tensor] = []
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        (grads_split if getattr(p, "tensor_model_parallel", False) else grads_replicated).append(p.grad)
-    zero = torch.zeros((), dtype=torch.float64)
-    split_sq = sum((g.detach().double().pow(2).sum() for g in grads_split), zero)
-    dist.all_reduce(split_sq, group=tp_group)
-    replicated_sq = sum((g.detach().double().pow(2).sum() for g in grads_replicated), zero)
-    norm = math.sqrt(float(split_sq + replicated_sq))
-    coef = min(1.0, grad_clip / (norm + 1e-6))
-    if coef < 1.0:
-        with torch.no_grad():
-            for g in grads_split + grads_replicated:
-                g.mul_(coef)
-    return norm
+    for the unsplit model (`grad_clip.clip_over_tensor_parallel`)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    split = [p.grad for p in params if is_split(p) and p.grad is not None]
+    replicated = [p.grad for p in params if not is_split(p) and p.grad is not None]
+    return clip_over_tensor_parallel(split, replicated, grad_clip, tp_group)
 
 
 def allreduce_over_context_parallel(model: Any, optimizer: Any, cp_group: Any) -> None:
@@ -185,15 +176,12 @@ class TensorParallelReplicas:
         rendezvous: tuple[str, int] = (LOCAL_HOST, 0),
         cp_size: int = 1,
     ) -> None:
-        if cfg.precision != "fp32" or cfg.optimizer_sharding != "none":
-            raise InvalidArgument(
-                "tensor parallel replicas train with plain AdamW only (precision fp32, optimizer_sharding "
-                "none): MasterAdamW's clipping norm and ZeRO-1 shards are not TP-aware yet"
-            )
         if cfg.device != "cpu":
             raise InvalidArgument("tensor parallel replicas run on CPU (gloo) so far")
         self.cfg, self.tp_size, self.seed, self.keep = cfg, tp_size, seed, keep
         self.cp_size = cp_size
+        self.master = cfg.precision == "bf16" or cfg.optimizer_sharding == "zero1"  # a MasterAdamW
+        self.sharded = cfg.optimizer_sharding == "zero1"
         self.replica_size = tp_size * cp_size  # processes (devices) per replica
         self.rendezvous = rendezvous
         self.store: Any = None
@@ -238,21 +226,34 @@ class TensorParallelReplicas:
         exit), replicas whose processes are ready join (with `wait`, after waiting for them); True
         when the group changed. When no replica stays, the state goes to `keep` first."""
         targets = replicas_of(self.wanted, [r.devices for r in self.replicas], self.replica_size)
-        leaving = [r for r in self.replicas + self.booting if r.devices not in targets]
         staying = [r for r in self.replicas if r.devices in targets]
+        leaving = [r for r in self.replicas + self.booting if r.devices not in targets]
+        booting = [r for r in self.booting if r.devices in targets]
+        have = {r.devices for r in staying + booting}
+        new = [devices for devices in targets if devices not in have]
+        joining = [r for r in booting if r.ready(wait)]
+        will_change = bool(joining) or len(staying) != len(self.replicas) or (wait and bool(new))
+        root: int | None = None  # the old DP rank that gathered a ZeRO-1 state (the new DP rank 0)
         if self.replicas and not staying:  # the last replicas leave: their state is kept outside
             self.keep(self.full_state())
+        elif will_change and self.sharded and self.size > 1:
+            root = self.replicas.index(staying[0])
+            self._all(("gather", root), "gathered")
         for r in leaving:
             self._exit(r)
-        self.booting = [r for r in self.booting if r.devices in targets]
-        have = {r.devices for r in staying + self.booting}
-        self.booting += [self._start(devices) for devices in targets if devices not in have]
-        joining = [r for r in self.booting if r.ready(wait)]
-        self.booting = [r for r in self.booting if r not in joining]
+        started = [self._start(devices) for devices in new]
+        if wait:  # without waiting, a replica started now joins at a later boundary
+            joining += [r for r in started if r.ready(True)]
+        self.booting = [r for r in booting + started if r not in joining]
         changed = bool(joining) or len(staying) != len(self.replicas)
         self.replicas = staying + joining
         if changed:
             self._new_generation(joining)
+        elif root is not None:  # nothing moved after all: the gathering rank keeps its own shard again
+            for w in self.replicas[root].ranks:
+                w.conn.send(("regroup",))
+            for w in self.replicas[root].ranks:
+                _expect(w, "regrouped")
         return changed
 
     def _start(self, devices: tuple[str, ...]) -> _Replica:
@@ -303,7 +304,8 @@ class TensorParallelReplicas:
             skeletons = [_expect(w, "skeleton") for w in source.ranks]
         for dp_rank, replica in enumerate(self.replicas):
             for local, w in enumerate(replica.ranks):
-                skeleton = skeletons[local] if replica in joining else None
+                # a MasterAdamW's layout goes to every rank (each receives a new shard)
+                skeleton = skeletons[local] if replica in joining or self.master else None
                 w.conn.send(("join", self.generation, dp_rank, self.size, skeleton, seed))
         for replica in self.replicas:
             for w in replica.ranks:
@@ -347,11 +349,10 @@ class TensorParallelReplicas:
         return float(self._all(("finish",), "finished")[0])
 
     def full_state(self) -> FullState:
-        """DP rank 0's parameters, AdamW state and gradients gathered to full (TP = 1) shapes
-        (`gyre.model.tp_shard.gather_full`)."""
-        for w in self.replicas[0].ranks:
-            w.conn.send(("full_state",))
-        state: FullState = [_expect(w, "full_state") for w in self.replicas[0].ranks][0]
+        """DP rank 0's parameters, optimizer state and gradients gathered to full (TP = 1) shapes
+        (`gyre.model.tp_shard.gather_full`); a ZeRO-1 state is first gathered over each DP group to
+        DP rank 0, which then keeps only its own shard again. Every replica takes part."""
+        state: FullState = self._all(("full_state",), "full_state")[0]
         return state
 
     def full_weights_now(self) -> dict[str, torch.Tensor]:
@@ -375,25 +376,22 @@ class TensorParallelReplicas:
         self.replicas, self.booting = [], []
 
 
-def _gather_state(model: Any, optimizer: Any, params: dict[str, Any], gather_full: Any) -> FullState:
-    """This TP rank's parameters, AdamW state and gradients gathered to full shapes (collective over
-    the TP group: every TP rank calls it, with state for the same parameters)."""
+def _gather_state(model: Any, optimizer: Any, gather_full: Any) -> FullState:
+    """This TP rank's parameters, optimizer state (`named_state.optimizer_state`: a MasterAdamW's
+    masters included; every entry must be here) and gradients gathered to full shapes (collective
+    over the TP group: every TP rank calls it, with state for the same parameters)."""
+    params = dict(model.named_parameters())
     weights = gather_full(model, {n: p.detach() for n, p in params.items()})
-    grads = gather_full(
-        model, {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
-    )
+    grads = gather_full(model, named_state.gradients(model, optimizer))
     opt: dict[str, Any] = {}
-    for name, p in params.items():
-        entry = optimizer.state.get(p, {})
-        if not entry:
-            continue
+    for name, entry in named_state.optimizer_state(model, optimizer).items():
         opt[name] = {}
         for k in sorted(entry):
             v = entry[k]
-            if torch.is_tensor(v) and v.shape == p.shape:
+            if torch.is_tensor(v) and v.shape == params[name].shape:
                 opt[name][k] = gather_full(model, {name: v})[name].clone()
             else:
-                opt[name][k] = v.clone() if torch.is_tensor(v) else v
+                opt[name][k] = v
     return {
         "weights": {n: t.clone() for n, t in weights.items()},
         "grads": {n: t.clone() for n, t in grads.items()},
@@ -424,28 +422,22 @@ def tp_worker_main(conn: Connection, store_host: str, store_port: int, spec: TPR
             raise RuntimeError(f"Megatron placed {spec} at TP {layout.tp_rank}, CP {layout.cp_rank}")
         model, optimizer, ref_model, settings = build_replica(cfg, "cpu")
         settings = shard_loss_settings(settings)
-        params = dict(model.named_parameters())
+
+        master = isinstance(optimizer, MasterAdamW)
+        if master:
+            optimizer.set_tensor_parallel(layout.tp_group)
+
+        def cut(name: str, full: torch.Tensor) -> torch.Tensor:
+            return shard_of(model, name, full, spec.tp_size, spec.tp_rank)  # type: ignore[no-any-return]
 
         def load_seed(seed: FullState) -> None:
             load_full_weights(model, seed["weights"])
             if ref_model is not None:
                 load_full_weights(ref_model, seed.get("reference", seed["weights"]))
-            optimizer.state.clear()
-            for name, entry in seed.get("optimizer", {}).items():
-                optimizer.state[params[name]] = {
-                    k: shard_of(model, name, v, spec.tp_size, spec.tp_rank).clone()
-                    if torch.is_tensor(v) and v.shape == seed["weights"][name].shape
-                    else (v.clone() if torch.is_tensor(v) else v)
-                    for k, v in entry.items()
-                }
-            grads = seed.get("grads", {})
-            for name, p in params.items():
-                full_grad = grads.get(name)
-                p.grad = (
-                    None
-                    if full_grad is None
-                    else shard_of(model, name, full_grad, spec.tp_size, spec.tp_rank).clone()
-                )
+            named_state.load_optimizer_state(
+                model, optimizer, seed.get("optimizer", {}), seed["weights"], cut
+            )
+            named_state.load_gradients(model, optimizer, seed.get("grads", {}), cut)
 
         # one DP group per (TP rank, CP rank) position, rebuilt at every resize
         dp_store = dist.PrefixStore(f"gyre-tp{spec.tp_rank}-cp{spec.cp_rank}", store)
@@ -453,25 +445,41 @@ def tp_worker_main(conn: Connection, store_host: str, store_port: int, spec: TPR
         # CP sum would otherwise count it CP times); every other process adds only its micro-batch
         conn.send(("ready",))
         pg: Any = None
-        dp_rank = 0
+        dp_rank, dp_size = 0, 1
         while True:
             try:
                 msg = conn.recv()
             except EOFError:
                 return
             if msg[0] == "skeleton":
-                conn.send(("skeleton", optimizer_skeleton(optimizer)))
+                conn.send(("skeleton", optimizer.layout() if master else optimizer_skeleton(optimizer)))
             elif msg[0] == "join":
                 _, generation, dp_rank, dp_size, skeleton, seed = msg
                 if seed is not None:
                     load_seed(seed)
-                elif skeleton is not None:
+                elif skeleton is not None and not master:
                     load_skeleton(optimizer, skeleton)
                 pg = None
+                if master:  # DP rank 0 holds every entry here (seeded, gathered, or alone before)
+                    optimizer.set_group(None, 0, 1)
                 if dp_size > 1:
                     pg = make_process_group(dp_store, generation, dp_rank, dp_size, "gloo", store_host)
-                    sync_replica(pg, dp_rank, model, optimizer, ref_model)
+                    if master:
+                        optimizer.set_group(pg, dp_rank, dp_size)
+                    layout_msg = (skeleton or optimizer.layout()) if master else None
+                    sync_replica(pg, dp_rank, model, optimizer, ref_model, layout_msg)
                 conn.send(("joined",))
+            elif msg[0] == "gather":  # a ZeRO-1 state goes to one DP rank before the group changes
+                if master and optimizer.sharded and pg is not None:
+                    if dp_rank == msg[1]:
+                        optimizer.receive_shards()
+                    else:
+                        optimizer.send_shard_to_rank0(msg[1])
+                conn.send(("gathered",))
+            elif msg[0] == "regroup":  # the gather changed nothing: keep the old group and shard
+                optimizer.set_group(pg, dp_rank, dp_size)
+                optimizer.keep_own()
+                conn.send(("regrouped",))
             elif msg[0] == "begin":
                 optimizer.zero_grad(set_to_none=False)
                 conn.send(("begun",))
@@ -481,7 +489,7 @@ def tp_worker_main(conn: Connection, store_host: str, store_port: int, spec: TPR
                     with torch.no_grad():
                         for g in gradient_tensors(model, optimizer):
                             g.mul_(msg[2])
-                if dp_rank != 0:
+                if dp_rank != 0 or spec.cp_rank != 0:
                     optimizer.zero_grad(set_to_none=False)  # one process per TP rank carries the sum
                 metrics = backward_micro(
                     model, shard.to("cpu", loss_dtype(model, optimizer)), settings, ref_model
@@ -492,11 +500,23 @@ def tp_worker_main(conn: Connection, store_host: str, store_port: int, spec: TPR
                     allreduce_gradients(pg, model, optimizer)
                 conn.send(("metrics", metrics))
             elif msg[0] == "finish":
-                norm = clip_tensor_parallel(model, cfg.grad_clip, layout.tp_group)
-                optimizer.step()
+                if master:
+                    norm = optimizer.step_and_clip(cfg.grad_clip)
+                else:
+                    norm = clip_tensor_parallel(model, cfg.grad_clip, layout.tp_group)
+                    optimizer.step()
                 conn.send(("finished", norm))
             elif msg[0] == "full_state":
-                conn.send(("full_state", _gather_state(model, optimizer, params, gather_full)))
+                zero1 = master and optimizer.sharded and pg is not None
+                if zero1 and dp_rank != 0:
+                    optimizer.send_shard_to_rank0()
+                elif zero1:
+                    optimizer.receive_shards()
+                state = _gather_state(model, optimizer, gather_full) if dp_rank == 0 else None
+                if zero1 and dp_rank == 0:
+                    optimizer.set_group(pg, 0, dp_size)
+                    optimizer.keep_own()
+                conn.send(("full_state", state))
             elif msg[0] == "digest":
                 conn.send(("digest", replica_digest(model, optimizer)))
             elif msg[0] == "leave":
