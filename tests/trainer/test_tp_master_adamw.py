@@ -14,6 +14,8 @@
    within 2e-3 relative, pre-clip norms within 1e-3 relative. Printed 2026-12-06: 0.0532 (bf16 vs
    fp32: 0.0610), loss gap 1.9e-4, norm gap 5.3e-5. A wrong TP norm (replicated parameters counted
    per TP rank, or split ones not summed over TP) moves the pre-clip norm by far more.
+3. The trainer's loop with TP = 2 and bf16 masters, parked with no device mid-step and resumed on a
+   new replica seeded from its mirror, tracks the TP = 1 bf16-master loop within the same tolerances.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from services.trainer.named_state import trainable_names
 from services.trainer.sharded_optimizer import MASTER
 from services.trainer.step import build_replica, train_batch
 from services.trainer.tp_replica import FullState, TensorParallelReplicas
-from tests.trainer.test_elastic_tp_dp import MICRO_BATCH_TOKENS, SCHEDULE, _batches, _cfg
+from tests.trainer.test_elastic_tp_dp import MICRO_BATCH_TOKENS, NUM_STEPS, SCHEDULE, _batches, _cfg
 
 LR = 1e-4  # as tests/trainer/test_precision.py: an AdamW update is about one bf16 ulp of a weight
 WEIGHT_TOL, LOSS_TOL, NORM_TOL = 0.15, 2e-3, 1e-3  # ~3x, 10x, 20x what 2026-12-06 printed
@@ -142,3 +144,84 @@ def test_bf16_masters_with_zero1_on_tp2_replicas_grown_mid_step_track_tp1_bf16_m
     assert any(m["grad_norm"] > cfg.grad_clip for m in expected), "clipping should be exercised"
     assert gap < WEIGHT_TOL and gap < 2 * bf16_noise, (gap, bf16_noise)
     assert loss_gap < LOSS_TOL and norm_gap < NORM_TOL, (loss_gap, norm_gap)
+
+
+# the trainer's loop with TP = 2 and bf16 masters: one replica, none mid-step (the state, masters and
+# fp32 main gradients included, goes to the mirror and the loop parks), then a new replica seeded
+# from the mirror; boundary k holds PARKED[k] (boundary 0 comes before the first pull)
+PARKED = [["d0", "d1"], ["d0", "d1"], [], ["d2", "d3"]]
+
+
+def _bf16_trainer(run_dir, tp: int, metrics: list[dict[str, float]]):
+    from services.trainer.loop import Trainer
+    from tests.trainer.test_elastic_dp import ListSource
+
+    cfg = _cfg().model_copy(
+        update={
+            "dtype": "float32",
+            "lr": LR,
+            "precision": "bf16",
+            "tensor_parallel_size": tp,
+            "checkpoint_every": 1,  # the mirror's MasterAdamW writes its checkpoint every step
+            "pull_wait_s": 0,
+        }
+    )
+
+    async def sink(weights, step_metrics):
+        metrics.append(step_metrics)
+
+    return Trainer(
+        TrainerConfig.model_validate(cfg.model_dump()), run_dir, ListSource(_batches()), sink, seed=0
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+async def test_the_trainer_loop_with_bf16_masters_on_tp2_parked_mid_step_tracks_the_tp1_loop(tmp_path):
+    import asyncio
+
+    reference_metrics: list[dict[str, float]] = []
+    reference = _bf16_trainer(tmp_path / "ref", 1, reference_metrics)
+    await reference.run(max_steps=NUM_STEPS)
+
+    metrics: list[dict[str, float]] = []
+    elastic = _bf16_trainer(tmp_path / "tp2", 2, metrics)
+    boundary = 0
+
+    async def give_back_later() -> None:
+        await asyncio.sleep(0.3)  # the loop is parked at the boundary meanwhile
+        elastic.set_devices(PARKED[-1])
+        await elastic.wake()
+
+    async def follow_schedule() -> None:
+        nonlocal boundary
+        held = PARKED[min(boundary, len(PARKED) - 1)]
+        boundary += 1
+        elastic.set_devices(held)
+        if not held:
+            asyncio.get_running_loop().create_task(give_back_later())
+            return
+        await asyncio.to_thread(elastic.dp.apply, True)
+
+    elastic.boundary_hooks.append(follow_schedule)
+    elastic.set_devices(PARKED[0])
+    try:
+        await elastic.run(max_steps=NUM_STEPS)
+    finally:
+        await asyncio.to_thread(elastic.close)
+
+    assert boundary >= len(PARKED), "the schedule did not play out: too few micro-batches"
+    for key, tol in (("loss", LOSS_TOL), ("grad_norm", NORM_TOL)):
+        got, want = [m[key] for m in metrics], [m[key] for m in reference_metrics]
+        assert got == pytest.approx(want, rel=tol), key
+    names = trainable_names(reference.model)
+    masters = {
+        opt_name: {names[i]: e[MASTER] for i, e in t.optimizer.entries().items()}
+        for opt_name, t in (("ref", reference), ("tp2", elastic))
+    }
+    initial = _initial(reference.cfg)
+    gap = _weight_error(masters["tp2"], masters["ref"], initial)
+    print(f"trainer loop bf16 masters TP=2 vs TP=1: weight error {gap:.4f} of the weight change")
+    assert gap < WEIGHT_TOL
+    assert elastic.state.step == NUM_STEPS and elastic.store.list(), "the mirror checkpoints"
