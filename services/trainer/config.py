@@ -183,17 +183,21 @@ class TrainerConfig(ConfigModel):
         ge=1,
         description="Megatron tensor parallel ranks per replica (heads, MLP width and vocabulary split over "
         "them; the loss stays vocabulary-parallel). Must divide the model's attention heads, key/value "
-        "heads, ffn_hidden_size and vocab_size. Each data-parallel replica is TP worker processes, one per "
-        "device: n devices held form floor(n / TP) replicas, a leftover device waits "
-        "(services/trainer/tp_replica.py). Values > 1 need precision fp32, optimizer_sharding none and "
-        "device cpu for now (docs/trainer.md, 'Parallelism').",
+        "heads, ffn_hidden_size and vocab_size. Each data-parallel replica is TP x CP worker processes, one "
+        "per device: n devices held form floor(n / (TP x CP)) replicas, a leftover device waits "
+        "(services/trainer/tp_replica.py); with a MasterAdamW (precision bf16 or optimizer_sharding "
+        "zero1) each TP rank shards its own parameters over its data-parallel group and clipping uses the "
+        "whole model's norm. Values > 1 need device cpu for now (docs/trainer.md, 'Parallelism').",
     )
     context_parallel_size: int = Field(
         default=1,
         ge=1,
-        description="Context parallel ranks per replica: each holds a contiguous slice of a micro-batch's "
-        "tokens and all-gathers keys and values over the group (gyre/model/parallel.py). Model-level only "
-        "so far: the trainer refuses values > 1 (docs/trainer.md, 'Parallelism').",
+        description="Context parallel ranks per replica: each holds a contiguous slice of every "
+        "micro-batch's packed tokens, all-gathers keys and values over the group (gyre/model/parallel.py) "
+        "and backpropagates the loss terms of the tokens it owns; gradients are summed over the CP group. "
+        "A data-parallel replica is TP x CP worker processes, one per device: n devices held form "
+        "floor(n / (TP x CP)) replicas, a leftover device waits (services/trainer/tp_replica.py). Values "
+        "> 1 need device cpu for now (docs/trainer.md, 'Parallelism').",
     )
 
     @model_validator(mode="after")
@@ -215,21 +219,12 @@ class TrainerConfig(ConfigModel):
         problem = tensor_parallel_problem(self.model, tp)
         if problem:
             raise ValueError(f"trainer.tensor_parallel_size: {problem}; pick a size that divides them all")
-        if tp > 1 or cp > 1:
-            if cp > 1:
-                raise ValueError(
-                    f"trainer.context_parallel_size {cp}: context parallelism exists at the model level "
-                    "(gyre/model/parallel.py, tested on gloo ranks) but the trainer does not start CP ranks "
-                    "inside its replicas yet; set it to 1 (docs/trainer.md, 'Parallelism')"
-                )
-            if self.precision != "fp32" or self.optimizer_sharding != "none" or self.device != "cpu":
-                raise ValueError(
-                    f"trainer.tensor_parallel_size {tp}: tensor-parallel replicas train with plain AdamW "
-                    "on CPU/gloo only so far (precision fp32, optimizer_sharding none, device cpu): "
-                    "MasterAdamW's clipping norm and ZeRO-1 shards are not TP-aware, and the NCCL path "
-                    f"has not run; got precision {self.precision}, optimizer_sharding "
-                    f"{self.optimizer_sharding}, device {self.device} (docs/trainer.md, 'Parallelism')"
-                )
+        if (tp > 1 or cp > 1) and self.device != "cpu":
+            raise ValueError(
+                f"trainer.tensor_parallel_size {tp} x context_parallel_size {cp}: model-parallel replicas "
+                f"run on CPU/gloo only so far (device cpu; the NCCL path has not run); got device "
+                f"{self.device} (docs/trainer.md, 'Parallelism')"
+            )
         return self
 
     @model_validator(mode="after")

@@ -93,18 +93,21 @@ class Trainer:
         self.loss_settings = shard_loss_settings(self.loss_settings)
         self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
         self.device_index: dict[str, int] = {}  # leased device -> its index on its node (cuda:N)
-        # TP > 1: the step runs in replicas of TP processes; self.model is their mirror (tp_mirror.py)
+        # TP x CP > 1: the step runs in replicas of TP x CP processes; self.model is their mirror
+        # (tp_mirror.py)
         self.tp: TensorParallelReplicas | None = None
         self.dp: ResizableDPGroup | TensorParallelReplicas
-        if cfg.tensor_parallel_size > 1:
+        replica_size = cfg.tensor_parallel_size * cfg.context_parallel_size
+        if replica_size > 1:
             self.dp = self.tp = TensorParallelReplicas(
                 cfg,
                 cfg.tensor_parallel_size,
                 lambda: mirror_state(self.model, self.optimizer, self.ref_model),
                 lambda state: load_mirror(self.model, self.optimizer, state, grads=True),
                 rendezvous=store_address(cfg.rendezvous),
+                cp_size=cfg.context_parallel_size,
             )
-            self.dp.request_devices([f"{STANDALONE_DEVICE}{i}" for i in range(cfg.tensor_parallel_size)])
+            self.dp.request_devices([f"{STANDALONE_DEVICE}{i}" for i in range(replica_size)])
         else:
             self.dp = ResizableDPGroup(
                 self.model,

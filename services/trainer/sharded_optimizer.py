@@ -24,6 +24,12 @@ Resizing (at a micro-batch boundary, dp_group.ResizableDPGroup.apply):
     `send_state` / `receive_state` hand each rank its new set (sharded) or the whole state
     (unsharded). The optimizer's state is never changed by a resize, so a resized step stays exact.
 
+Tensor parallelism (`set_tensor_parallel`, services/trainer/tp_replica.py):
+    the optimizer holds one TP rank's parameters (its shards of split parameters, whole replicated
+    ones); it shards them over its own data-parallel group like any other parameters, and clips to the
+    whole model's norm (services/trainer/grad_clip.py: split parameters' squares summed over the TP
+    group, replicated ones counted once).
+
 Units: bytes for `state_bytes`; `lr` and `weight_decay` as in torch.optim.AdamW.
 """
 
@@ -35,6 +41,7 @@ from typing import Any
 import torch
 
 from services.trainer.collectives import flat_by_dtype, unflatten_into
+from services.trainer.grad_clip import clip_over_tensor_parallel, is_split
 
 MASTER = "master"  # the entry key of an fp32 master copy
 
@@ -72,6 +79,7 @@ class MasterAdamW:
         self.master_dtype, self.sharded = master_dtype, sharded
         self.pg: Any = None
         self.rank, self.size = 0, 1
+        self.tp_group: Any = None  # set under tensor parallelism: the clipping norm spans the TP group
         self.main_grads: list[torch.Tensor] | None = None
         if master_dtype is not None:
             self.main_grads = [torch.zeros(p.shape, dtype=master_dtype, device=p.device) for p in self.params]
@@ -119,11 +127,23 @@ class MasterAdamW:
 
     # -- the step ----------------------------------------------------------------------------------
 
+    def set_tensor_parallel(self, tp_group: Any) -> None:
+        """This optimizer holds one TP rank's parameters of a model split over `tp_group`: from now on
+        the clipping norm is the whole model's (`grad_clip.clip_over_tensor_parallel`: split
+        parameters' squares summed over the TP group, replicated ones counted once). The shards are
+        unchanged: each TP rank shards its own parameters over its own data-parallel group (`pg`)."""
+        self.tp_group = tp_group
+
     def step_and_clip(self, grad_clip: float) -> float:
         """Clip the gradient to global norm `grad_clip` (0: no clipping), step the owned parameters, then
         make every rank's parameters the owners'. Returns the pre-clip norm (0.0 without clipping)."""
         norm = 0.0
-        if self.main_grads is None:
+        if self.tp_group is not None:
+            grads = self.gradients()
+            split = [g for p, g in zip(self.params, grads, strict=True) if is_split(p)]
+            replicated = [g for p, g in zip(self.params, grads, strict=True) if not is_split(p)]
+            norm = clip_over_tensor_parallel(split, replicated, grad_clip, self.tp_group)
+        elif self.main_grads is None:
             if grad_clip:
                 norm = float(torch.nn.utils.clip_grad_norm_(self.params, grad_clip))
         elif grad_clip:  # the arithmetic of clip_grad_norm_, on the fp32 main gradients
@@ -247,21 +267,26 @@ class MasterAdamW:
         """Use `pg` (None: alone) as rank `rank` of `size` from now on; the state is not moved here."""
         self.pg, self.rank, self.size = pg, rank, size
 
-    def send_shard_to_rank0(self) -> None:
-        """Ranks >= 1 of the current group: send a copy of the entries they own to rank 0."""
-        if self.rank == 0 or self.pg is None or not self.sharded:
+    def send_shard_to_rank0(self, root: int = 0) -> None:
+        """Every rank of the current group but `root` (rank 0 unless told): send a copy of the entries
+        it owns to `root`. Its own entries and group are kept."""
+        if self.rank == root or self.pg is None or not self.sharded:
             return
         mine = self.entries()
         for flat, _ in flat_by_dtype(self._tensors_of(mine, sorted(mine))):
-            self.pg.send([flat], 0, 0).wait()
+            self.pg.send([flat], root, 0).wait()
 
     def receive_shards(self) -> None:
-        """Rank 0 of the current group: receive every other rank's entries, so it holds all of them."""
+        """The current group's receiving rank (rank 0, or whichever rank the others send to with
+        `send_shard_to_rank0(root)`): receive every other rank's entries, so it holds all of them;
+        afterwards it is alone (no group: `set_group` again to keep using it)."""
         if self.pg is None or not self.sharded or self.size <= 1:
             return
         entries = self.entries()
         owners = self.owners()
-        for r in range(1, self.size):
+        for r in range(self.size):
+            if r == self.rank:
+                continue
             theirs = [i for i, o in enumerate(owners) if o == r]
             got = self._allocate(theirs)
             for flat, members in flat_by_dtype(self._tensors_of(got, theirs)):
@@ -309,6 +334,16 @@ class MasterAdamW:
                 self.pg.broadcast([flat], opts).wait()
                 unflatten_into(flat, members)
         self._install(got)
+
+    def load_entries(self, entries: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Hold exactly `entries` (parameter index -> master and AdamW's tensors, as `entries()` gives
+        them), taking the AdamW state template from them (a replica seeded from another's state)."""
+        for entry in entries.values():
+            adam = {k: v for k, v in entry.items() if k != MASTER and torch.is_tensor(v)}
+            if adam:
+                self.template = {k: str(v.dtype).removeprefix("torch.") for k, v in adam.items()}
+                break
+        self._install(entries)
 
     def keep_own(self) -> None:
         """Drop the entries of parameters this rank does not own (after a gather that changed nothing)."""

@@ -22,20 +22,24 @@ from typing import Any
 
 import torch
 
+from services.trainer import named_state
+from services.trainer.sharded_optimizer import MasterAdamW
 from services.trainer.tp_replica import FullState
 
 
 def mirror_state(model: Any, optimizer: Any, ref_model: Any | None) -> FullState:
-    """The mirror's state as a seed for a new group (copies: the seed is pickled to the replicas)."""
+    """The mirror's state as a seed for a new group (copies: the seed is pickled to the replicas).
+    The optimizer's entries by name (`named_state.optimizer_state`: a MasterAdamW's masters too), the
+    gradients the step uses so far (a MasterAdamW's main gradients; a plain AdamW's where present)."""
     params = dict(model.named_parameters())
+    if isinstance(optimizer, MasterAdamW):
+        grads = {n: g.detach().clone() for n, g in named_state.gradients(model, optimizer).items()}
+    else:
+        grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
     state: FullState = {
         "weights": {n: p.detach().clone() for n, p in params.items()},
-        "grads": {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None},
-        "optimizer": {
-            n: {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
-            for n, p in params.items()
-            if optimizer.state.get(p)
-        },
+        "grads": grads,
+        "optimizer": named_state.optimizer_state(model, optimizer),
     }
     if ref_model is not None:
         state["reference"] = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
@@ -43,17 +47,12 @@ def mirror_state(model: Any, optimizer: Any, ref_model: Any | None) -> FullState
 
 
 def load_mirror(model: Any, optimizer: Any, state: FullState, grads: bool) -> None:
-    """Copy a gathered state into the mirror: weights and AdamW state, and with `grads` the gradients
-    (left as they are otherwise)."""
+    """Copy a gathered state into the mirror: weights and optimizer state (a MasterAdamW's masters
+    included), and with `grads` the gradients (left as they are otherwise)."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in state["weights"].items():
             params[name].copy_(value)
-        for name, entry in state.get("optimizer", {}).items():
-            optimizer.state[params[name]] = {
-                k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()
-            }
-        if grads:
-            for name, p in params.items():
-                g = state.get("grads", {}).get(name)
-                p.grad = None if g is None else g.to(p.dtype).clone()
+    named_state.load_optimizer_state(model, optimizer, state.get("optimizer", {}), state["weights"])
+    if grads:
+        named_state.load_gradients(model, optimizer, state.get("grads", {}))

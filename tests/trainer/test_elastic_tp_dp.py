@@ -150,11 +150,18 @@ TRAINER_SCHEDULE = [
 ]
 
 
-def _trainer(run_dir, tp: int, metrics: list[dict[str, float]]):
+def _trainer(run_dir, tp: int, metrics: list[dict[str, float]], sharding: str = "none"):
     from services.trainer.loop import Trainer
     from tests.trainer.test_elastic_dp import ListSource
 
-    cfg = _cfg().model_copy(update={"tensor_parallel_size": tp, "checkpoint_every": 100, "pull_wait_s": 0})
+    cfg = _cfg().model_copy(
+        update={
+            "tensor_parallel_size": tp,
+            "checkpoint_every": 100,
+            "pull_wait_s": 0,
+            "optimizer_sharding": sharding,
+        }
+    )
 
     async def sink(weights, step_metrics):
         metrics.append(step_metrics)
@@ -167,7 +174,12 @@ def _trainer(run_dir, tp: int, metrics: list[dict[str, float]]):
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-async def test_the_trainer_loop_with_tp2_replicas_resized_and_parked_mid_step_equals_one_process(tmp_path):
+@pytest.mark.parametrize("sharding", ["none", "zero1"])
+async def test_the_trainer_loop_with_tp2_replicas_resized_and_parked_mid_step_equals_one_process(
+    tmp_path, sharding
+):
+    # zero1: each TP rank's MasterAdamW shards its parameters over its DP group; the state goes to the
+    # mirror (a MasterAdamW holding everything) when the last replica leaves, and back from it
     import asyncio
 
     reference_metrics: list[dict[str, float]] = []
@@ -175,7 +187,7 @@ async def test_the_trainer_loop_with_tp2_replicas_resized_and_parked_mid_step_eq
     await reference.run(max_steps=NUM_STEPS)
 
     metrics: list[dict[str, float]] = []
-    elastic = _trainer(tmp_path / "tp2", 2, metrics)
+    elastic = _trainer(tmp_path / "tp2", 2, metrics, sharding)
     boundary, sizes, waiting = 0, [], []
 
     async def give_back_later() -> None:

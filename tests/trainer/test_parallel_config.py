@@ -1,6 +1,6 @@
 """The trainer's tensor/context parallel sizes are checked against the model when the config loads,
-context parallel sizes above 1 are refused with the reason (model level only), and tensor parallel
-ones outside what its replicas support (plain AdamW, CPU/gloo)."""
+and sizes above 1 are refused, with the reason, outside what the model-parallel replicas support
+(CPU/gloo)."""
 
 from __future__ import annotations
 
@@ -16,18 +16,21 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_naming
         TrainerConfig(tensor_parallel_size=3)
 
 
-def test_context_parallel_above_one_is_refused_until_the_trainer_starts_those_ranks():
+def test_context_parallel_above_one_is_accepted_on_cpu_and_refused_elsewhere():
     for sizes in ({"context_parallel_size": 2}, {"context_parallel_size": 2, "tensor_parallel_size": 2}):
-        with pytest.raises(ValidationError, match="does not start CP ranks"):
-            TrainerConfig(device="cpu", **sizes)
+        assert TrainerConfig(device="cpu", **sizes).context_parallel_size == 2
+        with pytest.raises(ValidationError, match="CPU/gloo only"):
+            TrainerConfig(device="cuda", **sizes)
     assert TrainerConfig().tensor_parallel_size == TrainerConfig().context_parallel_size == 1
 
 
-def test_tensor_parallel_is_accepted_only_where_its_replicas_work():
-    assert TrainerConfig(tensor_parallel_size=2, device="cpu").tensor_parallel_size == 2
-    for other in ({"precision": "bf16"}, {"optimizer_sharding": "zero1"}, {"device": "cuda"}):
-        with pytest.raises(ValidationError, match="plain AdamW on CPU/gloo only"):
-            TrainerConfig(**{"tensor_parallel_size": 2, "device": "cpu", **other})
+def test_tensor_parallel_is_accepted_with_bf16_masters_and_zero1_on_cpu_only():
+    for other in ({}, {"precision": "bf16"}, {"optimizer_sharding": "zero1"}):
+        assert (
+            TrainerConfig(**{"tensor_parallel_size": 2, "device": "cpu", **other}).tensor_parallel_size == 2
+        )
+    with pytest.raises(ValidationError, match="CPU/gloo only"):
+        TrainerConfig(tensor_parallel_size=2, device="cuda")
 
 
 def test_tensor_parallel_problem_names_only_the_sizes_that_do_not_split():
