@@ -379,9 +379,10 @@ class Trainer:
         return [metrics, *self.dp.gather_metrics()]
 
     def _finish(self) -> float:
-        if self.tp is not None:  # the replicas step; the mirror takes their new weights and state
+        if self.tp is not None:  # the replicas step; the mirror takes their new weights (published
+            # next); their optimizer state only when a checkpoint needs it (save_checkpoint)
             tp_norm = self.tp.finish_step()
-            load_mirror(self.model, self.optimizer, self.tp.full_state(), grads=False)
+            load_mirror(self.model, self.optimizer, self.tp.full_state(optimizer=False), grads=False)
             return tp_norm
         assert isinstance(self.dp, ResizableDPGroup)
         self.dp.finish_step()
@@ -416,7 +417,11 @@ class Trainer:
         await asyncio.to_thread(prune_versions, weights_dir, self.state.version, keep)
 
     def save_checkpoint(self) -> Path | None:
-        """Rank 0 writes the model and state; with a MasterAdamW every rank writes its optimizer shard."""
+        """Rank 0 writes the model and state; with a MasterAdamW every rank writes its optimizer shard.
+        With TP replicas the mirror first takes their optimizer state (it holds only their weights
+        between checkpoints; with no replica it holds everything already, kept when the last left)."""
+        if self.tp is not None and self.tp.size > 0:
+            load_mirror(self.model, self.optimizer, self.tp.full_state(), grads=False)
         writer = (
             self.dp.save_optimizer
             if isinstance(self.dp, ResizableDPGroup) and isinstance(self.optimizer, MasterAdamW)

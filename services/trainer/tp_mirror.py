@@ -4,16 +4,19 @@ With TP the step runs in the replicas' processes (`tp_replica.TensorParallelRepl
 loop keeps writing checkpoints and publishing weights from its own TP = 1 model and AdamW, as it does
 without TP. That model is a mirror:
 
-    after every optimizer step   the replicas' weights and AdamW state, gathered to full shapes, are
-                                 copied into it (what checkpoints and published versions hold)
+    after every optimizer step   the replicas' weights, gathered to full shapes, are copied into it
+                                 (what published versions hold)
+    before each checkpoint       their optimizer state too (ZeRO-1 shards gathered), so checkpoints
+                                 hold the whole state while a step moves only the weights
     the last replica leaves      the whole state, the step's gradient so far included, is copied into
                                  it (`keep`), so a step survives holding no device
     a group forms from none      its replicas start from it (`seed`): weights, reference weights,
                                  AdamW state and the gradient so far, each TP rank cutting its shards
                                  (at start-up that is the checkpoint the loop restored)
 
-Cost: the trainer process holds the whole model and optimizer state in its own memory (on the CPU),
-and each step gathers them once over the TP group and sends them over the replica pipe.
+Cost: the trainer process holds the whole model and optimizer state in its own memory (on the CPU);
+each step gathers the weights once over the TP group and sends them over the replica pipe, and each
+checkpoint the optimizer state as well.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def load_mirror(model: Any, optimizer: Any, state: FullState, grads: bool) -> No
     with torch.no_grad():
         for name, value in state["weights"].items():
             params[name].copy_(value)
-    named_state.load_optimizer_state(model, optimizer, state.get("optimizer", {}), state["weights"])
+    if state.get("optimizer"):  # a weights-only gather (TensorParallelReplicas.full_state) leaves it
+        named_state.load_optimizer_state(model, optimizer, state["optimizer"], state["weights"])
     if grads:
         named_state.load_gradients(model, optimizer, state.get("grads", {}))

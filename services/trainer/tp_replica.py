@@ -348,16 +348,18 @@ class TensorParallelReplicas:
         """Every rank clips (the whole model's norm) and steps; the pre-clip norm (0: no clip)."""
         return float(self._all(("finish",), "finished")[0])
 
-    def full_state(self) -> FullState:
+    def full_state(self, optimizer: bool = True) -> FullState:
         """DP rank 0's parameters, optimizer state and gradients gathered to full (TP = 1) shapes
         (`gyre.model.tp_shard.gather_full`); a ZeRO-1 state is first gathered over each DP group to
-        DP rank 0, which then keeps only its own shard again. Every replica takes part."""
-        state: FullState = self._all(("full_state",), "full_state")[0]
+        DP rank 0, which then keeps only its own shard again. Every replica takes part. Without
+        `optimizer`: the parameters only (gradients and optimizer state empty), which moves a
+        quarter of the bytes (fp32 AdamW) and gathers no ZeRO-1 shard."""
+        state: FullState = self._all(("full_state", optimizer), "full_state")[0]
         return state
 
     def full_weights_now(self) -> dict[str, torch.Tensor]:
         """DP rank 0's parameters gathered to full (TP = 1) shapes."""
-        return dict(self.full_state()["weights"])
+        return dict(self.full_state(optimizer=False)["weights"])
 
     def replica_digests(self) -> list[list[str]]:
         """Per replica (DP rank order), the digest of each process's parameters and optimizer state
@@ -376,12 +378,15 @@ class TensorParallelReplicas:
         self.replicas, self.booting = [], []
 
 
-def _gather_state(model: Any, optimizer: Any, gather_full: Any) -> FullState:
+def _gather_state(model: Any, optimizer: Any, gather_full: Any, with_optimizer: bool = True) -> FullState:
     """This TP rank's parameters, optimizer state (`named_state.optimizer_state`: a MasterAdamW's
     masters included; every entry must be here) and gradients gathered to full shapes (collective
-    over the TP group: every TP rank calls it, with state for the same parameters)."""
+    over the TP group: every TP rank calls it, with state for the same parameters); without
+    `with_optimizer` the parameters only."""
     params = dict(model.named_parameters())
     weights = gather_full(model, {n: p.detach() for n, p in params.items()})
+    if not with_optimizer:
+        return {"weights": {n: t.clone() for n, t in weights.items()}, "grads": {}, "optimizer": {}}
     grads = gather_full(model, named_state.gradients(model, optimizer))
     opt: dict[str, Any] = {}
     for name, entry in named_state.optimizer_state(model, optimizer).items():
@@ -507,12 +512,13 @@ def tp_worker_main(conn: Connection, store_host: str, store_port: int, spec: TPR
                     optimizer.step()
                 conn.send(("finished", norm))
             elif msg[0] == "full_state":
-                zero1 = master and optimizer.sharded and pg is not None
+                with_optimizer = bool(msg[1])
+                zero1 = with_optimizer and master and optimizer.sharded and pg is not None
                 if zero1 and dp_rank != 0:
                     optimizer.send_shard_to_rank0()
                 elif zero1:
                     optimizer.receive_shards()
-                state = _gather_state(model, optimizer, gather_full) if dp_rank == 0 else None
+                state = _gather_state(model, optimizer, gather_full, with_optimizer) if dp_rank == 0 else None
                 if zero1 and dp_rank == 0:
                     optimizer.set_group(pg, 0, dp_size)
                     optimizer.keep_own()
