@@ -11,11 +11,17 @@
        (MFU = 6 * parameters * tokens / step seconds / the device's dense bf16 peak; attention FLOPs
        are not counted, and recompute's extra forward is not credited: it is the model FLOPs
        utilisation, not the hardware's)
+    5. model-level tensor and context parallelism on 2 GPUs (2 spawned ranks, NCCL, one GPU each):
+       TP=2 and CP=2 forward+backward of the trainer's loss against TP=1/CP=1 on one GPU, same batch
+       and weights, in fp32 and bf16 -> max relative loss and gradient gaps and step seconds of each
+       (services/trainer/parallel_check.py; skipped with fewer than 2 GPUs). It gets what is left of
+       --time-cap-s (gpu_check.sh's 480 s), at most MODEL_PARALLEL_MAX_S, and reports a timeout
+       rather than being killed with the rest
 
 The torch engine's close gives its cached CUDA memory back (reserved MiB before/after). vLLM has
 its own section: `scripts/gpu_check.sh --vllm` (scripts/vllm_check.py). `--allow-cpu` runs the
 same code on the CPU with small sizes (a smoke test of the script itself on a machine without a
-GPU; its numbers say nothing about a GPU).
+GPU; its numbers say nothing about a GPU); section 5 then runs on gloo with 2 CPU processes.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+STARTED = time.monotonic()  # before torch's import: the cap counts from the process start
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -40,6 +48,10 @@ from gyre.model.trees import random_tree  # noqa: E402
 from services.trainer.batch import PackedBatch  # noqa: E402
 from services.trainer.config import TrainerConfig  # noqa: E402
 from services.trainer.loop import Trainer  # noqa: E402
+from services.trainer.parallel_check import check_model_parallel  # noqa: E402
+
+MODEL_PARALLEL_MAX_S = 240.0  # the model-parallel section's own limit (2 ranks start, compile, 6 runs)
+PRINT_MARGIN_S = 20.0  # kept free of the cap for the JSON to be printed
 
 
 def packed_batch(seed: int, num_nodes: int, max_len: int, num_roots: int, vocab: int) -> PackedBatch:
@@ -244,6 +256,25 @@ async def check_decode(device: str, model: ModelConfig, sizes: dict[str, int], o
             }
 
 
+def check_parallel(
+    device: str, model: ModelConfig, sizes: dict[str, int], cap_s: float, out: dict[str, Any]
+) -> None:
+    """Section 5: TP=2 and CP=2 against TP=1 on 2 ranks (NCCL on 2 GPUs; gloo on 2 CPU processes
+    with --allow-cpu), within what is left of the cap."""
+    left = cap_s - (time.monotonic() - STARTED) - PRINT_MARGIN_S
+    limit = min(MODEL_PARALLEL_MAX_S, left)
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        out["model_parallel"] = {"skipped": f"{torch.cuda.device_count()} GPU(s); needs 2"}
+    elif limit < 30:
+        out["model_parallel"] = {"skipped": f"{left:.0f} s left of the {cap_s:.0f} s cap; needs 30"}
+    else:
+        batch = packed_batch(1000, sizes["nodes"], sizes["node_len"], sizes["roots"], model.vocab_size)
+        backend = "nccl" if device == "cuda" else "gloo"
+        result = check_model_parallel(model, batch, backend=backend, steps=sizes["steps"], time_limit_s=limit)
+        result["model"] = model.model_dump(include={"num_layers", "hidden_size", "vocab_size"})
+        out["model_parallel"] = result
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -262,6 +293,13 @@ async def main() -> int:
         default=None,
         help="the device's dense bf16 peak for MFU (default: by name)",
     )
+    parser.add_argument(
+        "--time-cap-s",
+        type=float,
+        default=480.0,
+        help="the wall-clock cap the whole run is under (gpu_check.sh's timeout); the model-parallel "
+        "section uses what is left of it",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
@@ -278,10 +316,14 @@ async def main() -> int:
         )
         train = {"nodes": 64, "node_len": 96, "roots": 8, "micro_tokens": 2048, "steps": 5}
         decode = {"batch": 64, "new_tokens": 128}
+        # section 5: half the layers, one micro-batch's worth of tokens, a few steps (time cap)
+        parallel_model = model.model_copy(update={"num_layers": 4})
+        parallel = {"nodes": 32, "node_len": 64, "roots": 4, "steps": 3}
     else:
         model = ModelConfig()
         train = {"nodes": 16, "node_len": 6, "roots": 4, "micro_tokens": 24, "steps": 2}
         decode = {"batch": 4, "new_tokens": 8}
+        parallel_model, parallel = model, {"nodes": 16, "node_len": 6, "roots": 4, "steps": 1}
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu (smoke test: numbers say nothing)",
         "num_gpus": torch.cuda.device_count(),
@@ -291,11 +333,14 @@ async def main() -> int:
     await check_training(device, model, train, out)
     await check_decode(device, model, decode, out)
     await check_bf16_master(device, model, train, peak_tflops(args.peak_tflops), out)
+    check_parallel(device, parallel_model, parallel, args.time_cap_s, out)
     masters_ok = all(v["loss_finite"] for k, v in out["bf16_master"].items() if isinstance(v, dict))
+    parallel_ok = "error" not in out["model_parallel"] and out["model_parallel"].get("within_tolerance", True)
     out["ok"] = (
         bool(out["train"]["loss_finite"])
         and out["nccl_resize"].get("replicas_identical", True)
         and masters_ok
+        and parallel_ok
     )
     print(json.dumps(out, indent=2))
     return 0 if out["ok"] else 1

@@ -1,49 +1,32 @@
 """Run a function on N real gloo ranks (spawned processes) with Megatron's parallel state at a given
-TP x CP, and the single-process (TP = CP = 1) reference the parallel tests compare against.
+TP x CP, for the parallel tests to compare against the single-process (TP = CP = 1) reference
+(`services.trainer.parallel_reference.reference_loss_and_grads`).
 
 Each rank initialises torch.distributed (gloo, TCP rendezvous on a free local port), Megatron's
 parallel state (`gyre.model.parallel.init_model_parallel`), builds the model in float64 from the
 parent's full weights (`gyre.model.tp_shard.load_full_weights`; a case may name another dtype), computes the loss of the parent's
 batch, backpropagates, sums the gradients over the CP group and gathers them to full shapes over the
-TP group. Every rank writes what it computed to `<out>/rank<r>.pt`; the parent reads them back.
+TP group (`services.trainer.parallel_reference`: model_parallel_backward, gathered_loss_and_grads). Every rank writes what it computed to `<out>/rank<r>.pt`; the parent reads them back.
 """
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from services.trainer.loss import LossSettings, tree_loss
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def reference_loss_and_grads(
-    model: Any, batch: Any, settings: LossSettings, ref_model: Any | None
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The single-process loss and every parameter's gradient (by name)."""
-    model.zero_grad(set_to_none=True)
-    loss, _ = tree_loss(model, batch, settings, ref_model)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
+from gyre.embedded.server import free_port
+from services.trainer.parallel_reference import gathered_loss_and_grads, model_parallel_backward
 
 
 def _rank_main(rank: int, world: int, port: int, tp: int, cp: int, job: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
     from gyre.model import build_model, tree_logits
-    from gyre.model.parallel import init_model_parallel, reduce_context_parallel_grads
-    from gyre.model.tp_shard import gather_full, load_full_weights
+    from gyre.model.parallel import init_model_parallel
+    from gyre.model.tp_shard import load_full_weights
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -64,18 +47,13 @@ def _rank_main(rank: int, world: int, port: int, tp: int, cp: int, job: dict[str
                 logits = tree_logits(
                     model, b.token_ids, b.position_ids, b.node_offsets, b.node_lengths, b.node_parents
                 )
-            loss, metrics = tree_loss(model, b, case["settings"], ref_model)
-            loss.backward()
-            reduce_context_parallel_grads(model, model.gyre_parallel)
-            grads = gather_full(model, {n: p.grad for n, p in model.named_parameters()})
-            loss_sum = loss.detach().clone()
-            if cp > 1:
-                dist.all_reduce(loss_sum, group=layout.cp_group)
+            local_loss, metrics = model_parallel_backward(model, b, case["settings"], ref_model)
+            loss_sum, grads = gathered_loss_and_grads(model, local_loss)
             results.append(
                 {
                     "loss": loss_sum,
-                    "local_loss": loss.detach(),
-                    "grads": {n: g.detach().clone() for n, g in grads.items()},
+                    "local_loss": local_loss,
+                    "grads": grads,
                     "metrics": metrics,
                     "logits": logits,
                 }

@@ -16,8 +16,9 @@ from gyre.model.trees import random_tree
 from gyre.model.weights import weights_state
 from services.trainer.chunked_softmax import full_logprob_entropy
 from services.trainer.loss import LossSettings, batch_logprobs
+from services.trainer.parallel_reference import reference_loss_and_grads, relative_gaps
 from tests.trainer.helpers import batch_from_tree
-from tests.trainer.parallel_ranks import reference_loss_and_grads, run_parallel
+from tests.trainer.parallel_ranks import run_parallel
 
 RTOL, ATOL = 1e-6, 1e-10
 
@@ -116,11 +117,7 @@ def _bf16_gaps(
     case: dict[str, Any], loss: torch.Tensor, grads: dict[str, torch.Tensor]
 ) -> tuple[float, float]:
     """Relative loss gap and the largest per-parameter relative gradient error (norms) to float64."""
-    loss_gap = float(abs(loss.double() / case["expected_loss"] - 1))
-    grad_gap = max(
-        float((grads[n].double() - e).norm() / e.norm()) for n, e in case["expected_grads"].items()
-    )
-    return loss_gap, grad_gap
+    return relative_gaps(case["expected_loss"], case["expected_grads"], loss, grads)
 
 
 def _worst_gaps(cases: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> tuple[float, float]:
