@@ -33,8 +33,11 @@ trainer's final checkpoint:
     double_leases        a device acquired by a holder while another holder's lease was not released,
                          or with an epoch not above the previous acquisition's
     executions_lost      executions of a rollout process that died (killed here or exiting by itself;
-                         started, no end event when it died) whose group was never scored: neither
-                         ended nor trained as partial (executions_orphaned: all of them, scored or not)
+                         started, no end event when it died) that the successor did not resume and
+                         whose group was never scored: neither ended nor trained as partial
+                         (executions_orphaned: all of them, scored or not; executions_lost_fates:
+                         id -> fate of each lost one). One resumed and still running when the job
+                         stopped is in flight, not lost (executions_resumed_unfinished)
     executions_live_at_kill / _resumed / _restarted   of those, the ones the restarted rollout resumed
                          under their own id and finished (RESUMED event, then FINISHED or TRUNCATED),
                          and the ones it ended FAILED instead (their tasks ran again in new groups);

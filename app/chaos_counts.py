@@ -78,6 +78,21 @@ def execution_fates(execution_events: list[dict[str, Any]], kills: list[float]) 
     return fates
 
 
+def lost_execution_fates(
+    fates: dict[str, str], started: dict[str, dict[str, Any]], scored_groups: set[str]
+) -> dict[str, str]:
+    """The executions a rollout death lost (id -> fate): live at the death, not resumed by the
+    successor, and in a group that was never scored. One resumed and still running when the job
+    stopped ("resumed_unended") is not lost: it is where every execution in flight at the job's end
+    is, and its durable record lets `gyre run --resume` go on with it (counted apart as
+    executions_resumed_unfinished)."""
+    return {
+        eid: fate
+        for eid, fate in fates.items()
+        if fate not in ("resumed", "resumed_unended") and started[eid].get("group_id") not in scored_groups
+    }
+
+
 def engine_kill_fates(execution_events: list[dict[str, Any]], kills: list[float]) -> dict[str, str]:
     """What became of each execution live when an engine was killed (started before a kill time in
     `kills`, no end event before it): "finished" (FINISHED or TRUNCATED: it lived through the kill),
@@ -180,7 +195,7 @@ def tally(
     )
     fates = execution_fates(by_type.get("ExecutionEvent", []), kills)
     orphaned = list(fates)
-    lost_executions = [eid for eid in orphaned if started[eid].get("group_id") not in scored]
+    lost_executions = lost_execution_fates(fates, started, scored)
     rerun_groups = {ev.get("group_id", "") for ev in started.values() if "-r" in ev.get("group_id", "")}
     engine_fates = engine_kill_fates(
         by_type.get("ExecutionEvent", []),
@@ -207,6 +222,7 @@ def tally(
             round(sum(1 for f in fates.values() if f == "resumed") / len(fates), 4) if fates else None
         ),
         "executions_lost": len(lost_executions),
+        "executions_lost_fates": lost_executions,  # execution id -> its fate, to say which and how
         "groups_rerun_after_rollout_restart": len(rerun_groups),
         "engine_kill_executions_live": len(engine_fates),
         "engine_kill_executions_finished": sum(1 for f in engine_fates.values() if f == "finished"),

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from app.chaos import count_double_leases, execution_fates, plan_faults
+from app.chaos_counts import lost_execution_fates
 from app.job.report import OUTCOME_NAME, build_report, headline, incomplete_reason
 from tests.job.conftest import write_synthetic_run
 
@@ -94,6 +95,13 @@ def test_executions_live_at_a_rollout_kill_are_counted_resumed_restarted_or_unen
     assert twice["x"] == "restarted" and twice["resumed"] == "resumed"
 
 
+def test_an_execution_resumed_and_running_at_the_jobs_stop_is_not_lost_but_an_unresumed_one_is() -> None:
+    fates = {"r": "resumed_unended", "done": "resumed", "gone": "unended", "failed": "restarted", "kept": "unended"}
+    started = {eid: {"group_id": f"g-{eid}"} for eid in fates}
+    lost = lost_execution_fates(fates, started, scored_groups={"g-kept"})
+    assert lost == {"gone": "unended", "failed": "restarted"}
+
+
 def test_faults_are_spread_over_the_run_in_order_and_before_its_last_two_steps() -> None:
     faults = plan_faults(
         ["scheduler", "rollout", "trajectory", "trainer", "nats", "postgres"], 20, random.Random(0)
@@ -153,7 +161,7 @@ def test_a_job_whose_rollout_is_killed_restarts_it_and_completes_losing_nothing(
     assert result["restarts"].get("rollout", 0) >= 1
     assert result["completed"] is True
     for counter in ("steps_lost", "paths_trained_twice", "batches_lost", "double_leases", "executions_lost"):
-        assert result[counter] == 0, (counter, result)
+        assert result[counter] == 0, (counter, result.get("executions_lost_fates"), result)
     assert result["steps_stored"] >= result["steps_emitted"] > 0
     live = result["executions_live_at_kill"]
     assert live > 0, result  # the kill waits for live executions (app/chaos.py)
@@ -213,7 +221,7 @@ def test_a_job_on_a_nats_cluster_survives_an_engine_kill_and_the_loss_of_the_ste
     assert result["nats_steps_stored_per_node"][0] >= result["steps_emitted"] > 0
     assert result["completed"] is True
     for counter in ("steps_lost", "paths_trained_twice", "batches_lost", "double_leases", "executions_lost"):
-        assert result[counter] == 0, (counter, result)
+        assert result[counter] == 0, (counter, result.get("executions_lost_fates"), result)
     assert result["trainer_bitwise_equal"] is True
     assert result["ok"] is True
 
@@ -280,5 +288,5 @@ def test_a_run_whose_every_process_is_killed_resumes_its_live_executions_and_con
     assert live > 0, result  # the kill waits for executions live in the event log
     assert result["executions_resumed"] >= 0.95 * live, result  # resumed under their own ids, finished
     for counter in ("steps_lost", "paths_trained_twice", "batches_lost", "double_leases", "executions_lost"):
-        assert result[counter] == 0, (counter, result)
+        assert result[counter] == 0, (counter, result.get("executions_lost_fates"), result)
     assert result["trainer_bitwise_equal"] is True
