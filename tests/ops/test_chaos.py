@@ -96,7 +96,13 @@ def test_executions_live_at_a_rollout_kill_are_counted_resumed_restarted_or_unen
 
 
 def test_an_execution_resumed_and_running_at_the_jobs_stop_is_not_lost_but_an_unresumed_one_is() -> None:
-    fates = {"r": "resumed_unended", "done": "resumed", "gone": "unended", "failed": "restarted", "kept": "unended"}
+    fates = {
+        "r": "resumed_unended",
+        "done": "resumed",
+        "gone": "unended",
+        "failed": "restarted",
+        "kept": "unended",
+    }
     started = {eid: {"group_id": f"g-{eid}"} for eid in fates}
     lost = lost_execution_fates(fates, started, scored_groups={"g-kept"})
     assert lost == {"gone": "unended", "failed": "restarted"}
