@@ -22,10 +22,16 @@ that one side is short of devices, measured within the steps themselves from the
 - After `probe_steps` counted steps at a home it decides: towards more rollout devices when the
   rollout shows pressure (contention >= `contention_share` or queueing >= `queued_share`) and the
   trainer, given fewer devices, stays below `saturated_share` busy; towards more training devices
-  when the trainer is busy `saturated_share` or more; else it stays. A move is `stride` devices
-  (an eighth of the pool at first). A home measured clearly slower (by `min_gain`) than one measured
-  before is left for that one (a move that did not pay is undone); a step towards a split already
-  measured no faster is not taken, the stride halves instead, down to one device, and then it stays.
+  when the trainer is busy `saturated_share` or more; else it stays. Towards rollout it also needs
+  the expected gain (the pressure's share of the step, shrinking as n / (n + stride)) to beat the
+  longer trainer tail by `min_gain` of a step. A move is `stride` devices (an eighth of the pool at
+  first). The first decision reads one counted step, every later one `probe_steps`.
+- Homes are compared by *pace*, step seconds per device-second the trainer computed, so that a
+  batch of longer executions (or lengths drifting) is not taken for a slower split; only homes
+  measured next to each other are compared. A move whose home paces clearly slower (by `min_gain`)
+  than the one it left is undone; a second move the same way needs the first to have paid; a step
+  onto a split already measured no faster is not taken, the stride halves instead, down to one
+  device, and then it stays.
 - The trainer's share follows its busy time: the home leaves it at most
   max(`min_train_devices`, ceil(`busy_headroom` x busy devices)) devices, but never so few that its
   tail, scaled to fewer devices, would exceed `tail_share` of the step (a nearly idle trainer still
@@ -69,6 +75,10 @@ class Signals:
     """Means over the counted steps at one home."""
 
     step_s: float
+    # Seconds per device-second the trainer computed: the step time per unit of the step's work.
+    # What homes are compared by: a batch of longer executions makes a longer step and more training
+    # work alike, so the pace follows the split, not the batch (nor a drift of the lengths).
+    pace: float
     trainer_busy_share: float  # busy device-seconds over (devices held x seconds)
     contention: float
     queued: float
@@ -224,6 +234,7 @@ class SplitMeter:
         seconds = sum(s.seconds for s in steps)
         return Signals(
             step_s=seconds / len(steps),
+            pace=seconds / max(1e-9, sum(s.trainer_busy_device_s for s in steps)),
             trainer_busy_share=sum(s.trainer_busy_device_s for s in steps)
             / sum(s.seconds * max(1, s.train_devices) for s in steps),
             contention=sum(s.contention_s for s in steps) / seconds,
@@ -314,9 +325,9 @@ class SplitMeter:
         here = self.signals(self.home, None if self._moved else 1)
         if here is None:
             return  # still measuring the current split
-        known = {h: s.step_s for h in self._comparable() if (s := self.signals(h)) is not None}
+        known = {h: s.pace for h in self._comparable() if (s := self.signals(h)) is not None}
         came_from = self._came_from
-        if came_from in known and known[came_from] < here.step_s * (1 - self.min_gain):
+        if came_from in known and known[came_from] < here.pace * (1 - self.min_gain):
             self._move(came_from)  # the last move made steps clearly slower: undo it
             return
         direction = self._direction(total, here)
@@ -328,9 +339,7 @@ class SplitMeter:
             # gains at stake); the in-step signals say where to go, not how much it gains. Once the
             # home it left is forgotten, the signals alone decide again.
             before = self.signals(came_from) if came_from in self._comparable() else None
-            if came_from in self._steps and (
-                before is None or here.step_s > before.step_s * (1 - self.min_gain)
-            ):
+            if came_from in self._steps and (before is None or here.pace > before.pace * (1 - self.min_gain)):
                 return
         while True:
             target = self.home + direction * self.stride

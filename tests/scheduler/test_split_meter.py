@@ -21,7 +21,9 @@ class Pool:
     step_s: Callable[[int], float]  # wall time of a step under a home
     contention: float = 0.0  # (g - 1) / g of every rollout engine; 0.75: four generations each
     queued: bool = False  # generations wait for an engine all step long
-    trainer_busy_share: float = 0.2  # busy device-seconds over the trainer's devices x seconds
+    # Busy device-seconds over the trainer's devices x seconds at the starting home (4 of 8); the
+    # trainer's work per step is the same under every home, as a step's work does not depend on it.
+    trainer_busy_share: float = 0.2
     tail_s: float = 1.0  # seconds from the last scored work to the step's end
 
 
@@ -56,7 +58,7 @@ def _run(meter: SplitMeter, pool: Pool | Callable[[int], Pool], steps: int) -> l
         home = meter.home
         s = p.step_s(home)
         meter.observe(_snap(meter, p, v, busy, 50.0), t + s - p.tail_s)
-        busy += p.trainer_busy_share * (DEVICES - home) * s
+        busy += p.trainer_busy_share * (DEVICES // 2) * p.step_s(DEVICES // 2)
         t += s
     return homes
 
@@ -73,12 +75,24 @@ def test_the_pipeline_filling_steps_are_not_measured() -> None:
     assert meter.signals(4, steps_needed=1) is None  # bound 1: the first counted step starts at 2
 
 
-def test_rollout_pressure_climbs_while_steps_get_faster_and_a_move_that_made_them_slower_is_undone() -> None:
-    meter = SplitMeter(probe_steps=2)
-    pool = Pool(step_s=lambda home: 100.0 + 10.0 * abs(home - 6), contention=0.75, trainer_busy_share=0.3)
+def test_rollout_pressure_climbs_while_steps_get_faster_and_stops_at_the_fastest_split() -> None:
+    meter = SplitMeter()
+    pool = Pool(step_s=lambda home: 100.0 + 10.0 * abs(home - 6), contention=0.75, trainer_busy_share=0.2)
     homes = _run(meter, pool, 40)
-    assert homes[0] == 4 and max(homes) == 7  # it went one past the best split...
-    assert homes[-10:] == [6] * 10  # ...found the steps slower there, went back and stays
+    assert homes[:3] == [4] * 3 and homes[3:6] == [5] * 3  # one step measured at half, then a move
+    assert homes[6:] == [6] * 34  # it paid, so on to 6; 7 would saturate the trainer
+
+
+def test_a_move_that_made_steps_slower_is_undone() -> None:
+    meter = SplitMeter(memory_steps=6)
+    pool = Pool(step_s=lambda home: 100.0 + 10.0 * abs(home - 5), contention=0.75, trainer_busy_share=0.2)
+    homes = _run(meter, pool, 40)
+    assert max(homes) == 6
+    # Each time the pressure sends it to 6 (after 5's measurements are forgotten), two steps
+    # measured there send it back to 5.
+    runs = "".join(str(h) for h in homes[3:]).split("5")
+    assert all(r in ("", "666") for r in runs[:-1]) and "666".startswith(runs[-1]), homes
+    assert homes[3:].count(5) > homes[3:].count(6)
 
 
 def test_a_generation_queue_is_rollout_pressure_too() -> None:
