@@ -96,8 +96,8 @@ class PoolSnapshot:
     # WorkerLoad.busy_device_s; cumulative): the busy time the report shows next to leased time.
     rollout_busy_device_s: float = 0.0
     trainer_busy_device_s: float = 0.0
-    # Rollout devices at Elastic's home split as split_meter.SplitMeter measured it from the step
-    # times under each split it tried; 0 = not measured (half the pool).
+    # Rollout devices at Elastic's home split as split_meter.SplitMeter chose it from the load
+    # reports and step times of the run; 0 = not measured (half the pool).
     measured_home_rollout: int = 0
 
     def count(self, role: Role) -> int:
@@ -225,8 +225,8 @@ class ElasticPolicy(Policy):
       execution (decode is memory-bound: fewer executions per engine decode faster).
     - Trainer busy: rollout keeps what it holds while no later batch waits for the trainer; once one
       does (training is on the critical path, `trainer_backlog >= 2`), borrowed devices go back down
-      to the home split (`home_rollout`): searched online from the measured step time under each
-      split tried (split_meter.py; half the pool at first), unless the operator fixes one
+      to the home split (`home_rollout`): chosen online from the load reports and step times
+      (split_meter.py; half the pool at first), unless the operator fixes one
       (`home_rollout_devices`). No input comes from a sweep. In the tail (L below what rollout holds) rollout lends every device
       a live execution does not need, one engine per execution, emptiest engines first (fewest
       resident executions, then fewest context tokens, from the rollout's per-engine load reports;
@@ -294,8 +294,8 @@ class ElasticPolicy(Policy):
 
     def home_rollout(self, snapshot: PoolSnapshot) -> int:
         """Rollout devices at the home split: the operator's `home_rollout_devices` when set, else the
-        split the scheduler measured (`measured_home_rollout`: the step times under each split it
-        tried, split_meter.py), else half the pool."""
+        split the scheduler measured (`measured_home_rollout`: from the load reports and step times,
+        split_meter.py), else half the pool."""
         total = len(snapshot.devices)
         if self.home_rollout_devices:
             return self.home_rollout_devices

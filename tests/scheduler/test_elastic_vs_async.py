@@ -61,10 +61,17 @@ def test_the_simulators_elastic_receives_no_sweep_result(monkeypatch: pytest.Mon
     assert again.step_done_s == c.results["elastic"].step_done_s
 
 
-def test_elastic_measures_a_home_split_during_the_run(comparison) -> None:
+def test_elastic_takes_its_home_split_from_the_meter(comparison) -> None:
     again = simulate(comparison.workload, elastic_policy(comparison.workload), record_snapshots=True)
-    homes = {snap.measured_home_rollout for snap, _ in again.snapshots}
-    assert len(homes - {0}) >= 2, homes  # it tried more than the split it started from
+    assert all(snap.measured_home_rollout > 0 for snap, _ in again.snapshots[1:])
+
+
+def test_elastic_moves_its_home_where_the_rollout_shows_pressure() -> None:
+    # light_tail: engines decode four or more generations at once while the trainer is half idle.
+    w = load_workload_file(WORKLOADS / "light_tail.yaml")
+    again = simulate(w, elastic_policy(w), record_snapshots=True)
+    homes = [snap.measured_home_rollout for snap, _ in again.snapshots]
+    assert homes[0] == w.num_units // 2 and homes[-1] > homes[0], sorted(set(homes))
 
 
 def test_no_row_beats_the_lower_bound_so_the_ceiling_caps_every_makespan_speedup(comparison) -> None:

@@ -1,80 +1,159 @@
-"""Elastic's home split meter (services/scheduler/split_meter.py): it searches the split by measured
-step times, never probes past a slower split, ignores differences within its noise margin, and caps
-the trainer's share at what its busy time needs."""
+"""Elastic's home split meter (services/scheduler/split_meter.py): it moves the home only when the
+in-step signals show a side short of devices, climbs while the measured steps get faster and undoes
+a move that made them slower, ignores the pipeline-filling steps, and caps the trainer's share at
+what its busy time and its tail need."""
 
 from __future__ import annotations
 
-import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from services.scheduler.policies import DeviceState, PoolSnapshot, Role
 from services.scheduler.split_meter import SplitMeter
 
+DEVICES = 8
 
-def _snap(version: int, trainer_busy_s: float = 0.0, queued: int = 0, devices: int = 8) -> PoolSnapshot:
+
+@dataclass(frozen=True)
+class Pool:
+    """A synthetic pool whose every step, under a home split, shows these measurements."""
+
+    step_s: Callable[[int], float]  # wall time of a step under a home
+    contention: float = 0.0  # (g - 1) / g of every rollout engine; 0.75: four generations each
+    queued: bool = False  # generations wait for an engine all step long
+    # Busy device-seconds over the trainer's devices x seconds at the starting home (4 of 8); the
+    # trainer's work per step is the same under every home, as a step's work does not depend on it.
+    trainer_busy_share: float = 0.2
+    tail_s: float = 1.0  # seconds from the last scored work to the step's end
+
+
+def _snap(meter: SplitMeter, pool: Pool, version: int, busy_s: float, work: float) -> PoolSnapshot:
+    home = meter.home or DEVICES // 2
+    generating = round(1 / (1 - pool.contention))
     return PoolSnapshot(
         devices=tuple(
-            DeviceState(f"d{i}", Role.ROLLOUT if i < devices // 2 else Role.TRAIN) for i in range(devices)
+            DeviceState(f"d{i}", Role.ROLLOUT, generating=generating)
+            if i < home
+            else DeviceState(f"d{i}", Role.TRAIN)
+            for i in range(DEVICES)
         ),
         live_executions=8,
-        queued_generations=queued,
+        queued_generations=4 if pool.queued else 0,
         engine_capacity=4,
         trainer_backlog=1,
         trainer_busy=True,
         latest_version=version,
-        trainer_busy_device_s=trainer_busy_s,
+        trainer_busy_device_s=busy_s,
+        trainer_remaining_work_device_s=work,
     )
 
 
-def _run(
-    meter: SplitMeter, step_s_of_home, steps: int, busy_per_s: float = 1e9, queued: int = 1
-) -> list[int]:
-    """Feed `steps` step boundaries whose duration depends on the meter's current home; homes seen."""
-    t, homes = 0.0, []
+def _run(meter: SplitMeter, pool: Pool | Callable[[int], Pool], steps: int) -> list[int]:
+    """Feed `steps` steps (a snapshot at each start and when the last scored work arrives); the home
+    the meter returned at each step's start."""
+    t, busy, homes = 0.0, 0.0, []
     for v in range(steps):
-        homes.append(meter.observe(_snap(v, busy_per_s * t, queued), t).measured_home_rollout)
-        t += step_s_of_home(meter.home)
+        p = pool(v) if callable(pool) else pool
+        homes.append(meter.observe(_snap(meter, p, v, busy, 0.0), t).measured_home_rollout)
+        home = meter.home
+        s = p.step_s(home)
+        meter.observe(_snap(meter, p, v, busy, 50.0), t + s - p.tail_s)
+        busy += p.trainer_busy_share * (DEVICES // 2) * p.step_s(DEVICES // 2)
+        t += s
     return homes
 
 
-def test_the_meter_climbs_to_the_fastest_split_and_stays() -> None:
-    meter = SplitMeter(probe_steps=1, warmup_steps=0, memory_steps=100)
-    homes = _run(meter, lambda home: 100.0 + 10.0 * abs(home - 6), steps=30)
-    assert homes[0] == 4  # half the pool before anything is measured
-    assert homes[-1] == 6 and homes[-5:] == [6] * 5
+def test_the_meter_stays_at_half_while_no_side_is_short_of_devices() -> None:
+    meter = SplitMeter()
+    homes = _run(meter, Pool(step_s=lambda home: 100.0 + 10.0 * abs(home - 6), trainer_busy_share=0.4), 30)
+    assert homes == [4] * 30  # a faster split exists, but nothing measured points to it: no probe
 
 
-def test_the_meter_never_probes_past_a_slower_split() -> None:
-    meter = SplitMeter(probe_steps=1, warmup_steps=0)
-    homes = _run(meter, lambda home: 100.0 + 10.0 * abs(home - 3), steps=30)  # probes 5 first (queued)
-    assert 6 not in homes  # 5 was slower than 4: it turned back instead of going on to 6
-    assert homes[-1] == 3
+def test_the_pipeline_filling_steps_are_not_measured() -> None:
+    meter = SplitMeter()
+    _run(meter, Pool(step_s=lambda home: 100.0), 3)  # versions 0..2: steps starting at 0, 1 end by 2
+    assert meter.signals(4, steps_needed=1) is None  # bound 1: the first counted step starts at 2
 
 
-def test_differences_within_the_noise_margin_do_not_move_the_home() -> None:
-    meter = SplitMeter(probe_steps=1, warmup_steps=0, memory_steps=100, min_gain=0.05)
-    homes = _run(meter, lambda home: 100.0 + home, steps=30)  # 1% a device: inside the 5% margin
-    assert len(set(homes[-20:])) == 1 and abs(homes[-1] - 4) <= 1  # one probe, then it stays
+def test_rollout_pressure_climbs_while_steps_get_faster_and_stops_at_the_fastest_split() -> None:
+    meter = SplitMeter()
+    pool = Pool(step_s=lambda home: 100.0 + 10.0 * abs(home - 6), contention=0.75, trainer_busy_share=0.2)
+    homes = _run(meter, pool, 40)
+    assert homes[:3] == [4] * 3 and homes[3:6] == [5] * 3  # one step measured at half, then a move
+    assert homes[6:] == [6] * 34  # it paid, so on to 6; 7 would saturate the trainer
 
 
-def test_forgotten_measurements_are_probed_again_so_the_home_follows_a_drifting_workload() -> None:
-    meter = SplitMeter(probe_steps=1, warmup_steps=0, memory_steps=6)
-    t, homes = 0.0, []
-    for v in range(60):
-        homes.append(meter.observe(_snap(v, 1e9 * t, 1), t).measured_home_rollout)
-        best = 6 if v < 20 else 3  # the workload drifts at step 20
-        t += 100.0 + 10.0 * abs(meter.home - best)
-    assert statistics.median(homes[8:20]) == 6
-    assert statistics.median(homes[40:]) == 3
+def test_a_move_that_made_steps_slower_is_undone() -> None:
+    meter = SplitMeter(memory_steps=6)
+    pool = Pool(step_s=lambda home: 100.0 + 10.0 * abs(home - 5), contention=0.75, trainer_busy_share=0.2)
+    homes = _run(meter, pool, 40)
+    assert max(homes) == 6
+    # Each time the pressure sends it to 6 (after 5's measurements are forgotten), two steps
+    # measured there send it back to 5.
+    runs = "".join(str(h) for h in homes[3:]).split("5")
+    assert all(r in ("", "666") for r in runs[:-1]) and "666".startswith(runs[-1]), homes
+    assert homes[3:].count(5) > homes[3:].count(6)
+
+
+def test_a_generation_queue_is_rollout_pressure_too() -> None:
+    meter = SplitMeter()
+    homes = _run(meter, Pool(step_s=lambda home: 200.0 - 10.0 * home, queued=True, trainer_busy_share=0.2), 8)
+    assert homes[-1] > 4
+
+
+def test_pressure_does_not_move_the_home_when_the_trainer_would_saturate() -> None:
+    meter = SplitMeter()
+    homes = _run(meter, Pool(step_s=lambda home: 100.0, contention=0.75, trainer_busy_share=0.7), 20)
+    assert homes == [4] * 20  # 0.7 x 4 / 3 devices would be 93% busy
+
+
+def test_pressure_does_not_move_the_home_when_the_longer_tail_costs_more_than_rollout_gains() -> None:
+    meter = SplitMeter()
+    homes = _run(meter, Pool(step_s=lambda home: 100.0, contention=0.5, tail_s=30.0), 20)
+    assert homes == [4] * 20
+
+
+def test_a_saturated_trainer_gets_more_devices() -> None:
+    meter = SplitMeter()
+    homes = _run(meter, Pool(step_s=lambda home: 100.0 - 5.0 * (4 - home), trainer_busy_share=0.95), 12)
+    assert homes[-1] < 4
+
+
+def test_a_move_is_not_followed_by_another_that_way_unless_it_paid() -> None:
+    meter = SplitMeter()
+    homes = _run(meter, Pool(step_s=lambda home: 100.0, contention=0.75, trainer_busy_share=0.5), 16)
+    # One move on the evidence; equal step times there: no further while the meter remembers 4.
+    assert set(homes) == {4, 5}
+
+
+def test_the_home_follows_the_signals_when_the_workload_drifts() -> None:
+    meter = SplitMeter(memory_steps=6)
+
+    def pool(v: int) -> Pool:
+        # The rollout is short of devices from step 20 on (lengths grew); flat step times before.
+        return Pool(step_s=lambda home: 100.0, contention=0.75 if v >= 20 else 0.0, trainer_busy_share=0.5)
+
+    homes = _run(meter, pool, 40)
+    assert homes[:20] == [4] * 20
+    assert homes[-1] >= 5
 
 
 def test_a_trainer_busy_a_small_share_of_its_time_keeps_one_device() -> None:
-    meter = SplitMeter(probe_steps=1, warmup_steps=0)
-    homes = _run(meter, lambda home: 100.0, steps=6, busy_per_s=0.05)  # 5% of one device busy
-    assert meter.busy_floor(8) == 7
+    meter = SplitMeter()
+    homes = _run(meter, Pool(step_s=lambda home: 100.0, trainer_busy_share=0.01, tail_s=0.5), 8)
+    assert meter.busy_floor(DEVICES) == 7
     assert homes[-1] == 7
 
 
+def test_a_trainer_whose_tail_is_long_keeps_devices_whatever_its_busy_share() -> None:
+    meter = SplitMeter()
+    # Busy 1% of the time, but its tail is 5 s of a 100 s step on 4 devices: on 1 it would be 20%.
+    homes = _run(meter, Pool(step_s=lambda home: 100.0, trainer_busy_share=0.01, tail_s=5.0), 8)
+    assert meter.tail_devices() == 10 and meter.busy_floor(DEVICES) == 1
+    assert homes == [4] * 8
+
+
 def test_a_saturated_trainer_is_not_capped() -> None:
-    meter = SplitMeter(probe_steps=1, warmup_steps=0)
-    _run(meter, lambda home: 100.0, steps=6, busy_per_s=4.0)  # four devices computing all the time
-    assert meter.busy_floor(8) == 1
+    meter = SplitMeter()
+    _run(meter, Pool(step_s=lambda home: 100.0, trainer_busy_share=1.0), 6)
+    assert meter.busy_floor(DEVICES) == 1

@@ -5,7 +5,7 @@ Rows (every one runs the same sampled executions of a seed):
 - `async`: the best fixed split of a sweep over every split (refined grid), with the same streaming
   trainer and partial-progress cut-off as Elastic: the strongest static baseline;
 - `elastic`: ElasticPolicy with the same code and constants on every workload and no split input:
-  its home split is measured online from each role's busy device-seconds per step
+  its home split is chosen online from the load reports and step times
   (services/scheduler/split_meter.py), exactly as the live scheduler measures it. Nothing of the
   sweep reaches it (`elastic_policy` takes no split; a test holds that);
 - `async_half`: the fixed split an operator gets without a sweep (half the pool rolling out, same
