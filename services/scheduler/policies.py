@@ -97,7 +97,8 @@ class PoolSnapshot:
     rollout_busy_device_s: float = 0.0
     trainer_busy_device_s: float = 0.0
     # Rollout devices at Elastic's home split as split_meter.SplitMeter chose it from the load
-    # reports and step times of the run; 0 = not measured (half the pool).
+    # reports and step times of the run; 0 = not measured (half the pool before the first step, then
+    # what the trainer holds).
     measured_home_rollout: int = 0
 
     def count(self, role: Role) -> int:
@@ -295,12 +296,17 @@ class ElasticPolicy(Policy):
     def home_rollout(self, snapshot: PoolSnapshot) -> int:
         """Rollout devices at the home split: the operator's `home_rollout_devices` when set, else the
         split the scheduler measured (`measured_home_rollout`: from the load reports and step times,
-        split_meter.py), else half the pool."""
+        split_meter.py), else half the pool before the trainer's first step and what it holds after."""
         total = len(snapshot.devices)
         if self.home_rollout_devices:
             return self.home_rollout_devices
         if snapshot.measured_home_rollout > 0:
             return max(1, min(total - self.min_train_devices, snapshot.measured_home_rollout))
+        if snapshot.latest_version > 0:
+            # After its first step, until the meter has measured the trainer: it keeps what it holds
+            # (at least `min_train_devices`, at most half the pool), nothing more on a guess.
+            held = min(total // 2, max(self.min_train_devices, snapshot.count(Role.TRAIN)))
+            return max(1, total - held)
         return max(1, total // 2)
 
     def home_train_devices(self, snapshot: PoolSnapshot) -> int:

@@ -34,9 +34,13 @@ that one side is short of devices, measured within the steps themselves from the
   device, and then it stays.
 - The trainer's share follows its busy time: the home leaves it at most
   max(`min_train_devices`, ceil(`busy_headroom` x busy devices)) devices, but never so few that its
-  tail, scaled to fewer devices, would exceed `tail_share` of the step (a nearly idle trainer still
-  trains the last groups after rollout ends; one device instead of eight makes that eight times
-  longer).
+  tail (the device-seconds it computes after the last scored work reached it: training nothing
+  overlaps, which fewer devices lengthen) would exceed `tail_share` of the step on them. A light
+  trainer (busy under `light_trainer_devices` devices: its whole step's training takes under that
+  share of a step on one device) keeps one device whatever its tail.
+- Until it has measured the trainer (its busy time, and its tail unless it is light) the meter
+  tells the policy no home (`measured_home_rollout` 0); the policy then lets the trainer keep what
+  it holds after its first step instead of lending it half the pool on a guess.
 - Measurements older than `memory_steps` steps are forgotten, so the home follows a drifting
   workload.
 
@@ -67,7 +71,10 @@ class StepRecord:
     trainer_busy_device_s: float  # the trainer's busy device-seconds over the step
     contention_s: float  # integral over the step of the rollout contention (seconds)
     queued_s: float  # seconds of the step during which generations waited for an engine
-    tail_s: float  # seconds from the last scored work reaching the trainer to the step's end
+    # device-seconds the trainer computed from the last scored work reaching it to the step's end:
+    # the training nothing overlaps. Compute, not wall time: a trainer that trains 0.1 s of a 3 s step
+    # and then waits for the weights to publish has a 0.1 s tail, which more devices would shorten.
+    tail_device_s: float
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,7 @@ class Signals:
     trainer_busy_share: float  # busy device-seconds over (devices held x seconds)
     contention: float
     queued: float
-    tail_device_s: float  # tail seconds x the devices that trained it
+    tail_device_s: float  # the tail's busy device-seconds (StepRecord.tail_device_s)
 
 
 class SplitMeter:
@@ -100,6 +107,7 @@ class SplitMeter:
         queued_share: float = 0.2,
         saturated_share: float = 0.9,
         tail_share: float = 0.02,
+        light_trainer_devices: float = 0.1,
     ) -> None:
         if probe_steps < 1 or warmup_steps < 0 or memory_steps < probe_steps:
             raise ValueError("need probe_steps >= 1, warmup_steps >= 0 and memory_steps >= probe_steps")
@@ -117,6 +125,7 @@ class SplitMeter:
         self.queued_share = queued_share
         self.saturated_share = saturated_share
         self.tail_share = tail_share
+        self.light_trainer_devices = light_trainer_devices
         # (version, seconds, trainer busy device-seconds) at each step boundary since warmup
         self._busy_marks: list[tuple[int, float, float]] = []
         self.home = 0  # rollout devices at home; 0 = not chosen yet (half the pool)
@@ -135,7 +144,7 @@ class SplitMeter:
         self._contention_s = 0.0
         self._queued_s = 0.0
         self._last_work = 0.0
-        self._work_arrived_t = 0.0
+        self._busy_at_arrival = 0.0  # the trainer's busy device-seconds when scored work last arrived
         # home -> records of steps that ran wholly under that home
         self._steps: dict[int, list[StepRecord]] = {}
 
@@ -172,7 +181,7 @@ class SplitMeter:
                 self._decide(total)
         else:
             self._note_work(snapshot, now_s)
-        return dataclasses.replace(snapshot, measured_home_rollout=self.home)
+        return dataclasses.replace(snapshot, measured_home_rollout=self.home if self.measured() else 0)
 
     # --- measuring ----------------------------------------------------------------------------------
     def _integrate(self, snapshot: PoolSnapshot, now_s: float) -> None:
@@ -193,14 +202,14 @@ class SplitMeter:
         rising); the step's own start counts as an arrival."""
         work = snapshot.trainer_remaining_work_device_s
         if work > self._last_work + 1e-9:
-            self._work_arrived_t = now_s
+            self._busy_at_arrival = snapshot.trainer_busy_device_s
         self._last_work = work
 
     def _start_step(self, snapshot: PoolSnapshot, now_s: float) -> None:
         self._version_t = now_s
         self._version_busy = snapshot.trainer_busy_device_s
         self._contention_s = self._queued_s = 0.0
-        self._work_arrived_t = now_s
+        self._busy_at_arrival = snapshot.trainer_busy_device_s
         self._last_work = snapshot.trainer_remaining_work_device_s
 
     def _record(self, v: int, total: int, snapshot: PoolSnapshot, now_s: float) -> None:
@@ -214,7 +223,7 @@ class SplitMeter:
             trainer_busy_device_s=max(0.0, snapshot.trainer_busy_device_s - self._version_busy),
             contention_s=self._contention_s,
             queued_s=self._queued_s,
-            tail_s=max(0.0, now_s - self._work_arrived_t),
+            tail_device_s=max(0.0, snapshot.trainer_busy_device_s - self._busy_at_arrival),
         )
         self._steps.setdefault(self.home, []).append(record)
 
@@ -239,7 +248,7 @@ class SplitMeter:
             / sum(s.seconds * max(1, s.train_devices) for s in steps),
             contention=sum(s.contention_s for s in steps) / seconds,
             queued=sum(s.queued_s for s in steps) / seconds,
-            tail_device_s=statistics.fmean(s.tail_s * max(1, s.train_devices) for s in steps),
+            tail_device_s=statistics.fmean(s.tail_device_s for s in steps),
         )
 
     def trainer_busy_devices(self) -> float | None:
@@ -256,15 +265,26 @@ class SplitMeter:
         records = [s for steps in self._steps.values() for s in steps]
         if not records:
             return None
-        tail = statistics.fmean(s.tail_s * max(1, s.train_devices) for s in records)
+        tail = statistics.fmean(s.tail_device_s for s in records)
         step = statistics.fmean(s.seconds for s in records)
         return math.ceil(tail / (self.tail_share * step) - 1e-9)
+
+    def measured(self) -> bool:
+        """Whether the home rests on a measurement: the meter moved it, or it has measured the
+        trainer's busy time and (unless the trainer is light) its tail. Until then the policy is told
+        no home (0) and the trainer keeps what it holds."""
+        if self._moved:
+            return True
+        busy = self.trainer_busy_devices()
+        return busy is not None and (busy < self.light_trainer_devices or self.tail_devices() is not None)
 
     def busy_floor(self, total: int) -> int:
         """The fewest rollout devices at home: the pool less what the trainer's busy time needs and
         what keeps its tail short (`tail_devices`)."""
         busy = self.trainer_busy_devices()
         tail = self.tail_devices()
+        if busy is not None and busy < self.light_trainer_devices:
+            tail = 1  # its whole step's training takes a small share of a step on one device
         if busy is None or tail is None:
             return 1  # not measured yet: the trainer keeps what it holds
         need = max(self.min_train_devices, math.ceil(self.busy_headroom * busy - 1e-9), tail)

@@ -206,6 +206,21 @@ def test_elastic_gives_a_stranded_trainer_its_home_share_whatever_the_cost_and_n
     assert len(ElasticPolicy(role_change_s=15.0).plan(long)) == 3
 
 
+def test_after_its_first_step_an_unmeasured_trainer_keeps_what_it_holds_and_gets_no_more() -> None:
+    import dataclasses
+
+    # The live quickstart: after step 1 the trainer (1 device) has work, rollout idles between batches.
+    one = dataclasses.replace(
+        _snap([Role.ROLLOUT] * 3 + [Role.TRAIN], live=0, backlog=1, busy=True, step_s=3.0), latest_version=1
+    )
+    assert ElasticPolicy(role_change_s=0.02).plan(one) == []  # before step 1 it would get half the pool
+    two = dataclasses.replace(one, devices=one.devices[:2] + tuple(dataclasses.replace(d, role=Role.TRAIN) for d in one.devices[2:3]) + one.devices[3:])  # fmt: skip
+    assert two.count(Role.TRAIN) == 2 and ElasticPolicy(role_change_s=0.02).plan(two) == []
+    # once the meter has measured a home, it rules
+    measured = dataclasses.replace(one, measured_home_rollout=2)
+    assert [m.to_role for m in ElasticPolicy(role_change_s=0.02).plan(measured)] == [Role.TRAIN]
+
+
 def test_elastic_takes_devices_back_when_new_batch_is_admitted() -> None:
     snap = _snap([Role.ROLLOUT] + [Role.TRAIN] * 3, live=8, queued=8, cap=4, step_s=900.0)
     moves = ElasticPolicy().plan(snap)

@@ -24,7 +24,7 @@ class Pool:
     # Busy device-seconds over the trainer's devices x seconds at the starting home (4 of 8); the
     # trainer's work per step is the same under every home, as a step's work does not depend on it.
     trainer_busy_share: float = 0.2
-    tail_s: float = 1.0  # seconds from the last scored work to the step's end
+    tail_s: float = 1.0  # seconds from the last scored work to the step's end, trained on every device
 
 
 def _snap(meter: SplitMeter, pool: Pool, version: int, busy_s: float, work: float) -> PoolSnapshot:
@@ -48,17 +48,24 @@ def _snap(meter: SplitMeter, pool: Pool, version: int, busy_s: float, work: floa
     )
 
 
-def _run(meter: SplitMeter, pool: Pool | Callable[[int], Pool], steps: int) -> list[int]:
-    """Feed `steps` steps (a snapshot at each start and when the last scored work arrives); the home
-    the meter returned at each step's start."""
+def _run(
+    meter: SplitMeter, pool: Pool | Callable[[int], Pool], steps: int, reported: list[int] | None = None
+) -> list[int]:
+    """Feed `steps` steps (a snapshot at each start and when the last scored work arrives); the
+    meter's home at each step's start (and in `reported` what it told the policy). The trainer's
+    work of a step is trained before the arrival and in the tail, all its devices busy in the tail."""
     t, busy, homes = 0.0, 0.0, []
     for v in range(steps):
         p = pool(v) if callable(pool) else pool
-        homes.append(meter.observe(_snap(meter, p, v, busy, 0.0), t).measured_home_rollout)
-        home = meter.home
-        s = p.step_s(home)
-        meter.observe(_snap(meter, p, v, busy, 50.0), t + s - p.tail_s)
-        busy += p.trainer_busy_share * (DEVICES // 2) * p.step_s(DEVICES // 2)
+        told = meter.observe(_snap(meter, p, v, busy, 0.0), t).measured_home_rollout
+        homes.append(meter.home)
+        if reported is not None:
+            reported.append(told)
+        s = p.step_s(meter.home)
+        work = p.trainer_busy_share * (DEVICES // 2) * p.step_s(DEVICES // 2)
+        tail_work = min(work, p.tail_s * (DEVICES - meter.home))
+        meter.observe(_snap(meter, p, v, busy + work - tail_work, 50.0), t + s - p.tail_s)
+        busy += work
         t += s
     return homes
 
@@ -145,12 +152,36 @@ def test_a_trainer_busy_a_small_share_of_its_time_keeps_one_device() -> None:
     assert homes[-1] == 7
 
 
-def test_a_trainer_whose_tail_is_long_keeps_devices_whatever_its_busy_share() -> None:
+def test_a_trainer_whose_training_all_comes_after_the_last_scored_work_keeps_devices_beyond_its_busy_cap() -> (
+    None
+):
     meter = SplitMeter()
-    # Busy 1% of the time, but its tail is 5 s of a 100 s step on 4 devices: on 1 it would be 20%.
-    homes = _run(meter, Pool(step_s=lambda home: 100.0, trainer_busy_share=0.01, tail_s=5.0), 8)
-    assert meter.tail_devices() == 10 and meter.busy_floor(DEVICES) == 1
+    # Busy 10% of the time on 4 devices (0.4 devices: the busy cap alone would leave it 2), all of it
+    # in a 10 s tail after the rollout ended: 40 device-seconds, on 1 device 40% of the step.
+    homes = _run(meter, Pool(step_s=lambda home: 100.0, trainer_busy_share=0.1, tail_s=10.0), 8)
+    assert meter.tail_devices() == 20 and meter.busy_floor(DEVICES) == 1
     assert homes == [4] * 8
+
+
+def test_a_trainer_busy_under_a_tenth_of_one_device_keeps_one_device_whatever_its_tail() -> None:
+    meter = SplitMeter()
+    # 4 device-seconds a 100 s step, all in the tail: 4% of a step on one device. (The live
+    # quickstart: 0.1 device-seconds of training in a 3 s step, then waiting for the next batch.)
+    homes = _run(meter, Pool(step_s=lambda home: 100.0, trainer_busy_share=0.01, tail_s=5.0), 8)
+    assert meter.tail_devices() == 2 and meter.busy_floor(DEVICES) == 7
+    assert homes[-1] == 7
+
+
+def test_the_meter_tells_the_policy_no_home_until_it_has_measured_the_trainer() -> None:
+    meter, reported = SplitMeter(), []
+    _run(meter, Pool(step_s=lambda home: 100.0, trainer_busy_share=0.2, tail_s=0.5), 8, reported)
+    # versions 0-2 fill the pipeline (bound 1); the step from 2 to 3 is the first whose tail is
+    # measured; its busy time (0.8 devices: cap 3) is known from the step from 1 to 2
+    assert reported[:3] == [0, 0, 0] and reported[3:] == [5] * 5
+    light, reported = SplitMeter(), []
+    _run(light, Pool(step_s=lambda home: 100.0, trainer_busy_share=0.01, tail_s=0.5), 8, reported)
+    # a trainer busy under a tenth of a device needs no tail: known after the step from 1 to 2
+    assert reported[:2] == [0, 0] and reported[2:] == [7] * 6
 
 
 def test_a_saturated_trainer_is_not_capped() -> None:
