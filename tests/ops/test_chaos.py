@@ -284,11 +284,15 @@ def test_a_run_whose_every_process_is_killed_resumes_its_live_executions_and_con
     result = json.loads(proc.stdout)
     assert result["processes_killed"] >= 6  # launcher, NATS, Postgres and the four services at least
     assert 1 <= result["step_at_kill"] < 12
-    assert result["completed"] is True and result["steps_continuous"] is True, (
-        {k: result.get(k) for k in ("end_reason", "step_at_kill", "completed", "steps_continuous")},
-        proc.stderr[-4000:],
-        (tmp_path / "run.resume.log").read_text()[-4000:] if (tmp_path / "run.resume.log").is_file() else "",
-    )
+    if not (result["completed"] is True and result["steps_continuous"] is True):
+        # one string, not a tuple: pytest shortens a tuple's repr and hid the logs that say why
+        tails = [
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}"
+            for p in (tmp_path / "run.resume.log", tmp_path / "run" / "postgres" / "postgres.log")
+            if p.is_file()
+        ]
+        keys = ("end_reason", "step_at_kill", "completed", "steps_continuous")
+        pytest.fail("\n".join([str({k: result.get(k) for k in keys}), proc.stderr[-3000:], *tails]))
     assert result["final_step"] >= 12
     live = result["executions_live_at_kill"]
     assert live > 0, result  # the kill waits for executions live in the event log
