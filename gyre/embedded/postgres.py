@@ -245,7 +245,7 @@ class EmbeddedPostgres(EmbeddedServer):
         if not self.durable:
             settings += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         deadline = time.monotonic() + timeout_s
-        for _attempt in range(5):
+        for attempt in range(8):
             port = self._restart_port or free_port()
             self._spawn(
                 [str(bin_dir / "postgres"), "-D", str(pgdata), "-p", str(port), *settings],
@@ -259,6 +259,13 @@ class EmbeddedPostgres(EmbeddedServer):
             self.stop()  # most likely the port got taken meanwhile: try another
             if self._restart_port is not None:
                 raise Unavailable(f"postgres did not restart on port {self._restart_port}; see {log_path}")
+            # Or the server exited at once because a killed predecessor's backends still hold its
+            # shared memory (after a SIGKILL of the postmaster they notice its death and exit within
+            # seconds, later on a loaded machine): wait a little longer before each next try.
+            pause = min(0.5 * 2**attempt, deadline - time.monotonic())
+            if pause <= 0:
+                raise Unavailable(f"postgres did not start in {timeout_s:.0f} s; see {log_path}")
+            time.sleep(pause)
         else:
             raise Unavailable(f"postgres did not start; see {log_path}")
         self._require_passwords(pgdata)
