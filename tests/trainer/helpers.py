@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import torch
@@ -57,3 +58,36 @@ def random_batch(seed: int, num_nodes: int = 8, batch_id: str = "b0", num_roots:
     out = batch_from_tree(random_tree(rng, num_nodes, max_len=6, num_roots=num_roots), rng, batch_id)
     assert isinstance(out, PackedBatch)
     return out
+
+
+class DeviceSchedule:
+    """Plays a schedule of held devices on a trainer loop at its micro-batch boundaries.
+
+    At boundary k (boundary 0 comes before the first pull) the trainer holds `schedule[k]`, the last
+    entry from then on, and its data-parallel group is resized before the micro-batch. An empty
+    entry parks the loop at that boundary; the last entry is handed back 0.3 s later and the loop
+    woken. `check(boundary)` runs after each resize (boundary counted from 1), where a test asserts
+    what must hold there. `boundaries` counts the boundaries seen.
+    """
+
+    def __init__(self, trainer, schedule: list[list[str]], check=None) -> None:  # type: ignore[no-untyped-def]
+        self.trainer, self.schedule, self.check = trainer, schedule, check
+        self.boundaries = 0
+        trainer.boundary_hooks.append(self._at_boundary)
+        trainer.set_devices(schedule[0])
+
+    async def _give_back_later(self) -> None:
+        await asyncio.sleep(0.3)  # the loop is parked at the boundary meanwhile
+        self.trainer.set_devices(self.schedule[-1])
+        await self.trainer.wake()
+
+    async def _at_boundary(self) -> None:
+        held = self.schedule[min(self.boundaries, len(self.schedule) - 1)]
+        self.boundaries += 1
+        self.trainer.set_devices(held)
+        if not held:
+            asyncio.get_running_loop().create_task(self._give_back_later())
+            return
+        await asyncio.to_thread(self.trainer.dp.apply, True)  # joiners are ready before the micro-batch
+        if self.check is not None:
+            await self.check(self.boundaries)

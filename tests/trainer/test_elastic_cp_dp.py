@@ -18,6 +18,7 @@ import torch
 from services.trainer.config import TrainerConfig
 from services.trainer.step import build_replica, train_batch
 from services.trainer.tp_replica import FullState, TensorParallelReplicas
+from tests.trainer.helpers import DeviceSchedule
 from tests.trainer.test_elastic_tp_dp import ATOL, MICRO_BATCH_TOKENS, NUM_STEPS, RTOL, _batches, _cfg
 
 # devices held from the k-th micro-batch boundary on (CP = 2: two devices per replica)
@@ -117,27 +118,24 @@ async def test_the_trainer_loop_with_cp2_replicas_resized_mid_step_equals_the_cp
 
     metrics: list[dict[str, float]] = []
     elastic = _trainer(tmp_path / "cp2", 2, metrics)
-    boundary, sizes = 0, []
+    sizes = []
 
-    async def follow_schedule() -> None:
-        nonlocal boundary
-        elastic.set_devices(TRAINER_SCHEDULE[min(boundary, len(TRAINER_SCHEDULE) - 1)])
-        boundary += 1
-        await asyncio.to_thread(elastic.dp.apply, True)
+    async def check(boundary: int) -> None:
         sizes.append(elastic.dp.size)
         assert elastic.tp is not None
         digests = await asyncio.to_thread(elastic.tp.replica_digests)
         for position in range(2):
             assert len({d[position] for d in digests}) == 1, f"replicas differ at boundary {boundary}"
 
-    elastic.boundary_hooks.append(follow_schedule)
-    elastic.set_devices(TRAINER_SCHEDULE[0])
+    schedule = DeviceSchedule(elastic, TRAINER_SCHEDULE, check)
     try:
         await elastic.run(max_steps=NUM_STEPS)
     finally:
         await asyncio.to_thread(elastic.close)
 
-    assert boundary >= len(TRAINER_SCHEDULE), "the schedule did not play out: too few micro-batches"
+    assert schedule.boundaries >= len(TRAINER_SCHEDULE), (
+        "the schedule did not play out: too few micro-batches"
+    )
     assert {1, 2} <= set(sizes)
     for key in ("grad_norm", "loss", "ratio_mean", "entropy"):
         got, want = [m[key] for m in metrics], [m[key] for m in reference_metrics]

@@ -23,7 +23,7 @@ from services.trainer.batch import PackedBatch
 from services.trainer.config import TrainerConfig
 from services.trainer.loop import Trainer
 from services.trainer.step import combine_metrics
-from tests.trainer.helpers import random_batch
+from tests.trainer.helpers import DeviceSchedule, random_batch
 
 NUM_STEPS = 2
 MICRO_BATCH_TOKENS = 40
@@ -100,30 +100,15 @@ async def test_ranks_join_and_leave_mid_step_and_the_step_equals_one_rank(tmp_pa
     elastic = _trainer(tmp_path / "elastic", metrics, normalise)
     seen_sizes: list[int] = []
     seen_pids: set[int] = set()
-    boundary = 0
 
-    async def give_back_later() -> None:
-        await asyncio.sleep(0.3)  # the loop is parked at the boundary meanwhile
-        elastic.set_devices(SCHEDULE[-1])
-        await elastic.wake()
-
-    async def follow_schedule() -> None:
-        nonlocal boundary
-        held = SCHEDULE[min(boundary, len(SCHEDULE) - 1)]
-        boundary += 1
-        elastic.set_devices(held)
-        if not held:
-            asyncio.get_running_loop().create_task(give_back_later())
-            return
-        await asyncio.to_thread(elastic.dp.apply, True)  # joiners are ready before the micro-batch
-        assert sorted(elastic.dp.device_ids) == sorted(held)
+    async def check(boundary: int) -> None:
+        assert sorted(elastic.dp.device_ids) == sorted(SCHEDULE[min(boundary - 1, len(SCHEDULE) - 1)])
         seen_sizes.append(elastic.dp.size)
         seen_pids.update(elastic.dp.worker_pids())
         digests = await asyncio.to_thread(elastic.dp.replica_digests)
         assert len(set(digests)) == 1, f"replicas differ at boundary {boundary}"
 
-    elastic.boundary_hooks.append(follow_schedule)
-    elastic.set_devices(SCHEDULE[0])
+    schedule = DeviceSchedule(elastic, SCHEDULE, check)
     try:
         await elastic.run(max_steps=NUM_STEPS)
         assert len(set(await asyncio.to_thread(elastic.dp.replica_digests))) == 1
@@ -132,7 +117,7 @@ async def test_ranks_join_and_leave_mid_step_and_the_step_equals_one_rank(tmp_pa
         await asyncio.to_thread(elastic.close)
     assert not any(_running(pid) for pid in seen_pids), "close() left a worker process running"
 
-    assert boundary >= len(SCHEDULE), "the schedule did not play out: too few micro-batches"
+    assert schedule.boundaries >= len(SCHEDULE), "the schedule did not play out: too few micro-batches"
     assert {1, 2, 3} <= set(seen_sizes)
     assert elastic.dp.generation >= 5
     # CPU slots: a leaving rank's process stays as a spare outside the group and serves the next

@@ -17,7 +17,7 @@ import torch
 from services.trainer.config import TrainerConfig
 from services.trainer.step import build_replica, train_batch
 from services.trainer.tp_replica import FullState, TensorParallelReplicas, replicas_of
-from tests.trainer.helpers import random_batch
+from tests.trainer.helpers import DeviceSchedule, random_batch
 
 RTOL, ATOL = 1e-6, 1e-10
 MICRO_BATCH_TOKENS = 40
@@ -188,22 +188,9 @@ async def test_the_trainer_loop_with_tp2_replicas_resized_and_parked_mid_step_eq
 
     metrics: list[dict[str, float]] = []
     elastic = _trainer(tmp_path / "tp2", 2, metrics, sharding)
-    boundary, sizes, waiting = 0, [], []
+    sizes, waiting = [], []
 
-    async def give_back_later() -> None:
-        await asyncio.sleep(0.3)  # the loop is parked at the boundary meanwhile
-        elastic.set_devices(TRAINER_SCHEDULE[-1])
-        await elastic.wake()
-
-    async def follow_schedule() -> None:
-        nonlocal boundary
-        held = TRAINER_SCHEDULE[min(boundary, len(TRAINER_SCHEDULE) - 1)]
-        boundary += 1
-        elastic.set_devices(held)
-        if not held:
-            asyncio.get_running_loop().create_task(give_back_later())
-            return
-        await asyncio.to_thread(elastic.dp.apply, True)
+    async def check(boundary: int) -> None:
         sizes.append(elastic.dp.size)
         assert elastic.tp is not None
         waiting.append(elastic.tp.waiting_devices)
@@ -211,14 +198,15 @@ async def test_the_trainer_loop_with_tp2_replicas_resized_and_parked_mid_step_eq
         for tp_rank in range(2):
             assert len({d[tp_rank] for d in digests}) == 1, f"replicas differ at boundary {boundary}"
 
-    elastic.boundary_hooks.append(follow_schedule)
-    elastic.set_devices(TRAINER_SCHEDULE[0])
+    schedule = DeviceSchedule(elastic, TRAINER_SCHEDULE, check)
     try:
         await elastic.run(max_steps=NUM_STEPS)
     finally:
         await asyncio.to_thread(elastic.close)
 
-    assert boundary >= len(TRAINER_SCHEDULE), "the schedule did not play out: too few micro-batches"
+    assert schedule.boundaries >= len(TRAINER_SCHEDULE), (
+        "the schedule did not play out: too few micro-batches"
+    )
     assert {1, 2} <= set(sizes) and waiting[0] == ["d2"]
     assert [m["grad_norm"] for m in metrics] == pytest.approx(
         [m["grad_norm"] for m in reference_metrics], rel=RTOL

@@ -28,6 +28,7 @@ from services.trainer.named_state import trainable_names
 from services.trainer.sharded_optimizer import MASTER
 from services.trainer.step import build_replica, train_batch
 from services.trainer.tp_replica import FullState, TensorParallelReplicas
+from tests.trainer.helpers import DeviceSchedule
 from tests.trainer.test_elastic_tp_dp import MICRO_BATCH_TOKENS, NUM_STEPS, SCHEDULE, _batches, _cfg
 
 LR = 1e-4  # as tests/trainer/test_precision.py: an AdamW update is about one bf16 ulp of a weight
@@ -187,31 +188,13 @@ async def test_the_trainer_loop_with_bf16_masters_on_tp2_parked_mid_step_tracks_
 
     metrics: list[dict[str, float]] = []
     elastic = _bf16_trainer(tmp_path / "tp2", 2, metrics)
-    boundary = 0
-
-    async def give_back_later() -> None:
-        await asyncio.sleep(0.3)  # the loop is parked at the boundary meanwhile
-        elastic.set_devices(PARKED[-1])
-        await elastic.wake()
-
-    async def follow_schedule() -> None:
-        nonlocal boundary
-        held = PARKED[min(boundary, len(PARKED) - 1)]
-        boundary += 1
-        elastic.set_devices(held)
-        if not held:
-            asyncio.get_running_loop().create_task(give_back_later())
-            return
-        await asyncio.to_thread(elastic.dp.apply, True)
-
-    elastic.boundary_hooks.append(follow_schedule)
-    elastic.set_devices(PARKED[0])
+    schedule = DeviceSchedule(elastic, PARKED)
     try:
         await elastic.run(max_steps=NUM_STEPS)
     finally:
         await asyncio.to_thread(elastic.close)
 
-    assert boundary >= len(PARKED), "the schedule did not play out: too few micro-batches"
+    assert schedule.boundaries >= len(PARKED), "the schedule did not play out: too few micro-batches"
     for key, tol in (("loss", LOSS_TOL), ("grad_norm", NORM_TOL)):
         got, want = [m[key] for m in metrics], [m[key] for m in reference_metrics]
         assert got == pytest.approx(want, rel=tol), key
