@@ -27,8 +27,9 @@ Guarantees
   unknown device, scheduler unreachable (`num_refused`) — is counted and logged, never raised
   into the event consumer. A refused action is retried by the next event or heartbeat reply.
 - Idempotent: the same lease applied twice (event + heartbeat reply, a redelivered event) starts
-  or stops nothing twice, and the scheduler answers a repeated Release/Acquire at the same epoch
-  unchanged.
+  or stops nothing twice. A Release or Acquire already done at that epoch is not sent again: it is
+  counted once (`num_released`, `num_acquired`) and the repeat apart (`num_redelivered`). (The
+  scheduler would answer a repeated Release/Acquire at the same epoch unchanged anyway.)
 """
 
 from __future__ import annotations
@@ -121,10 +122,12 @@ class LeaseClient:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.epochs: dict[str, int] = {}  # newest epoch seen per device
         self.using_since: dict[str, int] = {}  # device in use -> epoch it was started under
+        self.released_at: dict[str, int] = {}  # device -> epoch of its last Release that succeeded
         self._locks: dict[str, asyncio.Lock] = {}
         self.heartbeat_interval_s = 1.0
         self.num_acquired = self.num_released = self.num_fenced = 0
         self.num_stale = self.num_other_worker = self.num_unknown_device = self.num_refused = 0
+        self.num_redelivered = 0
 
     @property
     def held(self) -> list[str]:
@@ -186,6 +189,9 @@ class LeaseClient:
             self.epochs[device] = lease.epoch
             since = self.using_since.get(device) if self.user.using(device) else None
             action = decide(lease, self.worker_id, self.role, since)
+            if self._done_already(action, device, lease.epoch, since):
+                self.num_redelivered += 1
+                return LeaseAction.NONE
             try:
                 await self._act(action, lease)
             except grpc.aio.AioRpcError as exc:
@@ -205,6 +211,13 @@ class LeaseClient:
                 return LeaseAction.NONE
             return action
 
+    def _done_already(self, action: LeaseAction, device: str, epoch: int, since: int | None) -> bool:
+        """A Release or Acquire this client already made at `epoch` (the lease redelivered, or named
+        again by a heartbeat reply built before the action landed)."""
+        if action is LeaseAction.RELEASE:
+            return self.released_at.get(device) == epoch
+        return action is LeaseAction.ACQUIRE and since == epoch
+
     async def _act(self, action: LeaseAction, lease: common_pb2.Lease) -> None:
         device, epoch = lease.device_id, lease.epoch
         if action is LeaseAction.RELEASE:
@@ -215,6 +228,7 @@ class LeaseClient:
                 scheduler_pb2.ReleaseRequest(worker_id=self.worker_id, device_id=device, epoch=epoch)
             )
             self.num_released += 1
+            self.released_at[device] = epoch
             log.info("%s released %s at epoch %d", self.worker_id, device, epoch)
         elif action is LeaseAction.ACQUIRE:
             await self.stub.Acquire(
@@ -291,4 +305,5 @@ class LeaseClient:
             "ignored_other_worker": self.num_other_worker,
             "ignored_unknown_device": self.num_unknown_device,
             "refused_by_scheduler": self.num_refused,
+            "ignored_redelivered": self.num_redelivered,
         }

@@ -322,12 +322,32 @@ async def test_lease_clients_move_a_device_both_ways_and_count_what_they_ignore(
             # the trainer has work and one live execution fits on one device: one device is lent
             await wait_until(lambda: len(trainer.mine) == 1 and len(rollout.mine) == 1)
             lent = next(iter(trainer.mine))
+            # the grant that lent it, applied again (a redelivered event, a late heartbeat reply):
+            # no second Acquire is sent and the repeat is counted apart
+            t = clients["trainer-0"]
+            pool = await s.GetPool(scheduler_pb2.GetPoolRequest())
+            granted = common_pb2.Lease()
+            granted.CopyFrom(next(x for x in pool.leases if x.device_id == lent))
+            assert granted.state == common_pb2.LEASE_STATE_ACTIVE and granted.holder == "trainer-0"
+            granted.state, granted.target_holder = common_pb2.LEASE_STATE_GRANTED, "trainer-0"
+            granted.target_role = common_pb2.DEVICE_ROLE_TRAIN
+            assert await t.apply(granted) is LeaseAction.NONE
+            assert t.num_acquired == 1 and t.counters()["ignored_redelivered"] == 1
             # executions wait again and the trainer has nothing to do: the device comes back
             loads["rollout-0"] = scheduler_pb2.WorkerLoad(live_executions=8, engine_capacity=4)
             loads["trainer-0"] = scheduler_pb2.WorkerLoad()
             await wait_until(lambda: rollout.mine == devices and not trainer.mine)
             assert rollout.double_use == trainer.double_use == []
             assert clients["trainer-0"].num_acquired == 1 and clients["trainer-0"].num_released == 1
+            # the drain that took it back, applied again: no second Release, counted apart
+            draining = common_pb2.Lease()
+            draining.CopyFrom(granted)
+            draining.state, draining.holder, draining.epoch = (
+                common_pb2.LEASE_STATE_DRAINING, "trainer-0", t.released_at[lent],
+            )  # fmt: skip
+            t.epochs[lent] = draining.epoch  # as if no newer lease of it had reached the trainer yet
+            assert await t.apply(draining) is LeaseAction.NONE
+            assert t.num_released == 1 and t.counters()["ignored_redelivered"] == 2
 
             # leases a worker must not act on are ignored and counted, never raised
             pool = await s.GetPool(scheduler_pb2.GetPoolRequest())
