@@ -13,7 +13,7 @@ from gyre.workload import ServiceSemantics, Workload
 from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Role
 from services.scheduler.sim import builtin, load_workload_file, predict, simulate
 from services.scheduler.sim.cli import main as sim_main
-from services.scheduler.sim.compare import compare_seeds, interval, with_semantics
+from services.scheduler.sim.compare import SeedComparison, compare_seeds, interval, with_semantics
 from services.scheduler.sim.engine import Simulation
 from services.scheduler.sim.sample import sample_executions
 
@@ -114,6 +114,21 @@ def test_seeds_give_a_mean_inside_a_95_percent_interval() -> None:
     for v in out["speedup"].values():
         assert v["low"] <= v["mean"] <= v["high"]
     assert interval([1.0, 1.0, 1.0]) == {"mean": 1.0, "low": 1.0, "high": 1.0}
+
+
+def test_the_reused_split_row_runs_each_seed_at_the_other_seeds_best_splits() -> None:
+    result = compare_seeds(load_workload_file(SMALL), 2)
+    first, second = result.per_seed
+    w = first.workload
+    at_second_best = simulate(w, AsyncPolicy(second.best_async_units, staleness_bound=w.staleness_bound))
+    assert result.reused_s_per_step[0] == pytest.approx(at_second_best.time_per_step_s)
+    out = result.to_json()
+    elastic = first.results["elastic"].time_per_step_s
+    assert out["speedup_per_seed"]["vs_async_reused"][0] == pytest.approx(
+        at_second_best.time_per_step_s / elastic, abs=1e-3
+    )
+    assert out["async_sweep_runs"] == [len(first.async_sweep), len(second.async_sweep)]
+    assert "vs_async_reused" not in SeedComparison(w, [first]).to_json()["speedup"]  # one seed: no other run
 
 
 def test_predict_returns_the_fields_gyre_compare_reads() -> None:
