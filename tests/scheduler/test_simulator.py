@@ -116,7 +116,9 @@ def test_seeds_give_a_mean_inside_a_95_percent_interval() -> None:
     assert interval([1.0, 1.0, 1.0]) == {"mean": 1.0, "low": 1.0, "high": 1.0}
 
 
-def test_the_reused_split_row_runs_each_seed_at_the_other_seeds_best_splits() -> None:
+def test_the_reused_split_row_runs_each_seed_at_the_other_seeds_best_splits_and_makespans_are_reported() -> (
+    None
+):
     result = compare_seeds(load_workload_file(SMALL), 2)
     first, second = result.per_seed
     w = first.workload
@@ -128,6 +130,10 @@ def test_the_reused_split_row_runs_each_seed_at_the_other_seeds_best_splits() ->
         at_second_best.time_per_step_s / elastic, abs=1e-3
     )
     assert out["async_sweep_runs"] == [len(first.async_sweep), len(second.async_sweep)]
+    by_makespan = [
+        c.results["async"].step_done_s[-1] / c.results["elastic"].step_done_s[-1] for c in (first, second)
+    ]
+    assert out["makespan_speedup"]["vs_async"]["mean"] == pytest.approx(sum(by_makespan) / 2, abs=1e-3)
     assert "vs_async_reused" not in SeedComparison(w, [first]).to_json()["speedup"]  # one seed: no other run
 
 
