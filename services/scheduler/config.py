@@ -67,7 +67,8 @@ class SchedulerConfig(ConfigModel):
         20.0,
         ge=0,
         description="Elastic lends to (or spreads over) a trainer that already holds devices only when its "
-        "last step took more than this many role changes; 0 = every such move pays (moves every step).",
+        "last step, or the training left in the step in progress, took more than this many role changes; "
+        "0 = every such move pays (moves every step).",
     )
     default_engine_capacity: int = Field(
         4, ge=1, description="Executions one rollout device hosts, until a worker reports engine_capacity."

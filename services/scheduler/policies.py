@@ -234,7 +234,8 @@ class ElasticPolicy(Policy):
       ties by device ID, highest first), so an empty engine is lent before one whose executions
       would have to be live-migrated. It never packs executions to lend more.
     - A move must pay for itself: optional moves (spreading, lending) happen only when the trainer's
-      step cadence (`trainer_step_s`) exceeds `min_step_over_switch` role changes (`role_change_s`);
+      step cadence (`trainer_step_s`, or the step in progress: at least the training it still has,
+      `trainer_time_left_s`) exceeds `min_step_over_switch` role changes (`role_change_s`);
       on shorter steps Elastic holds its split like Async. Lending in the tail also needs trainer
       work that extra devices can speed up now: the work it can train at once
       (`trainer_remaining_work_device_s` over its data-parallel size) must outlast as many role
@@ -289,9 +290,12 @@ class ElasticPolicy(Policy):
         return max(must, min(live, home, ceiling))
 
     def _moves_pay(self, snapshot: PoolSnapshot) -> bool:
-        """Steps long enough that a round trip of role changes is small against them (unknown before
-        the first step: no optional move)."""
-        return snapshot.trainer_step_s > self.min_step_over_switch * self.role_change_s
+        """Steps long enough that a round trip of role changes is small against them: the last step's
+        cadence, or the step in progress, which lasts at least as long as the training it still has
+        at the trainer's current size (so a first step, or a step that drifted longer than the last,
+        counts from its own work; with neither known, no optional move)."""
+        step_s = max(snapshot.trainer_step_s, snapshot.trainer_time_left_s)
+        return step_s > self.min_step_over_switch * self.role_change_s
 
     def home_rollout(self, snapshot: PoolSnapshot) -> int:
         """Rollout devices at the home split: the operator's `home_rollout_devices` when set, else the

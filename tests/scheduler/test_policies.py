@@ -167,11 +167,30 @@ def test_elastic_hosts_every_queued_execution_before_the_home_split() -> None:
 
 def test_elastic_does_not_lend_when_a_training_step_is_shorter_than_the_role_changes() -> None:
     roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
-    short = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=30.0, work_device_s=1e4)
+    # 20 role changes of 15 s = 300 s: a lend must be worth that much of the step.
+    short = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=30.0, work_device_s=20.0)
     long = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=600.0, work_device_s=1e4)
     # Home 3 + 1: the trainer holds its home share, so lending more is optional and must pay.
     assert ElasticPolicy(role_change_s=15.0, home_rollout_devices=3).plan(short) == []
     assert len(ElasticPolicy(role_change_s=15.0, home_rollout_devices=3).plan(long)) == 2
+
+
+def test_elastic_lends_in_a_step_whose_own_training_outlasts_the_role_changes_whatever_the_last_step_took() -> (
+    None
+):
+    roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
+    policy = ElasticPolicy(role_change_s=15.0, home_rollout_devices=3)
+    # The last step took 30 s, or none has ended yet, but this one has 1,000 s of training left on its
+    # one device: the step in progress is long, so the two idle tail engines go to the trainer.
+    for step_s in (0.0, 30.0):
+        moves = policy.plan(
+            _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=step_s, work_device_s=1e3)
+        )
+        assert [m.to_role for m in moves] == [Role.TRAIN] * 2
+    # 200 s left is less than 20 role changes: it stays.
+    assert (
+        policy.plan(_snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=30.0, work_device_s=200.0)) == []
+    )
 
 
 def test_elastic_returns_borrowed_devices_to_a_trainer_below_its_home_share_before_any_step() -> None:
