@@ -153,6 +153,10 @@ def _fmt(v: dict[str, float]) -> str:
     return f"{v['mean']:.2f} [{v['low']:.2f}, {v['high']:.2f}]"
 
 
+def _fmt3(v: dict[str, float]) -> str:
+    return f"{v['mean']:.3f}x [{v['low']:.3f}, {v['high']:.3f}]"
+
+
 def _drifting(out: dict[str, Any]) -> bool:
     """A workload whose schedule drifts over the measured steps (more than one drift phase)."""
     return len(out["drift_phases"]) > 1
@@ -225,12 +229,12 @@ def render(data: dict[str, Any]) -> str:
         if r["speedup"]["vs_best_baseline"]["mean"] < 0.98
     ]
     below_reused = [
-        f"{r['workload']} {_fmt(r['speedup']['vs_async_reused'])}"
+        f"{r['workload']} {_fmt3(r['speedup']['vs_async_reused'])}"
         for r in stationary
         if "vs_async_reused" in r["speedup"] and r["speedup"]["vs_async_reused"]["mean"] < 0.98
     ]
     below_makespan = [
-        f"{r['workload']} {_fmt(r['makespan_speedup']['vs_best_baseline'])}"
+        f"{r['workload']} {_fmt3(r['makespan_speedup']['vs_best_baseline'])}"
         for r in stationary
         if r["makespan_speedup"]["vs_best_baseline"]["mean"] < 0.98
     ]
