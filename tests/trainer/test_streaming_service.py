@@ -65,7 +65,13 @@ class Trajectory:
         self.server, self.port = rpc.create_server()
         common = CommonConfig(run_id=run_id, nats_url=nats_url, database_url=database_url)
         self.service = TrajectoryService(
-            common, TrajectoryConfig.model_validate({"ready_poll_s": 0.1, "max_batch_tokens": BUDGET, **cfg})
+            common,
+            TrajectoryConfig.model_validate(
+                # group_size as the launcher sets it (rollout.group_size): a group is scored once all its
+                # executions are in. With 0 it is scored once those seen so far have ended, which on a
+                # loaded machine can be before the last execution's first event was ingested.
+                {"ready_poll_s": 0.1, "max_batch_tokens": BUDGET, "group_size": WORKLOAD.group_size, **cfg}
+            ),
         )
         await self.service.start(
             Runtime(
