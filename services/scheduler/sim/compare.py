@@ -246,6 +246,20 @@ def _summary(r: SimResult) -> dict[str, Any]:
     }
 
 
+def _by_key(per_row: dict[str, float]) -> dict[str, float]:
+    """A per-row makespan figure under the keys of `Comparison.ratios` (the best baseline: the faster
+    of Async and Colocate, the smaller figure)."""
+    return {
+        "vs_colocate": per_row["colocate"],
+        "vs_async": per_row["async"],
+        "vs_async_half": per_row["async_half"],
+        "vs_best_baseline": min(per_row["async"], per_row["colocate"]),
+        "vs_phase_oracle": per_row["async_phase_oracle"],
+        "vs_paper_colocate": per_row["paper_colocate"],
+        "vs_paper_async": per_row["paper_async"],
+    }
+
+
 @dataclass
 class Comparison:
     """Every row of one workload at one seed."""
@@ -276,31 +290,13 @@ class Comparison:
         """Elastic's makespan speedups (the other row's end of the last step over Elastic's), same keys
         as `ceilings`. The time per step is windowed after the warm-up steps, so on a short run it
         credits a row whose warm-up ended late; the makespan counts the whole run."""
-        mk = {name: r.step_done_s[-1] for name, r in self.results.items()}
-        e = mk["elastic"]
-        return {
-            "vs_colocate": mk["colocate"] / e,
-            "vs_async": mk["async"] / e,
-            "vs_async_half": mk["async_half"] / e,
-            "vs_best_baseline": min(mk["async"], mk["colocate"]) / e,
-            "vs_phase_oracle": mk["async_phase_oracle"] / e,
-            "vs_paper_colocate": mk["paper_colocate"] / e,
-            "vs_paper_async": mk["paper_async"] / e,
-        }
+        e = self.results["elastic"].step_done_s[-1]
+        return _by_key({name: r.step_done_s[-1] / e for name, r in self.results.items()})
 
     def ceilings(self) -> dict[str, float]:
         """The largest makespan speedup any policy could have over each row: the row's makespan over
         the lower bound (`makespan_lower_bound_s`). Same keys as `ratios`."""
-        mk = {name: r.step_done_s[-1] / self.makespan_bound_s for name, r in self.results.items()}
-        return {
-            "vs_colocate": mk["colocate"],
-            "vs_async": mk["async"],
-            "vs_async_half": mk["async_half"],
-            "vs_best_baseline": min(mk["async"], mk["colocate"]),
-            "vs_phase_oracle": mk["async_phase_oracle"],
-            "vs_paper_colocate": mk["paper_colocate"],
-            "vs_paper_async": mk["paper_async"],
-        }
+        return _by_key({name: r.step_done_s[-1] / self.makespan_bound_s for name, r in self.results.items()})
 
     def to_json(self) -> dict[str, Any]:
         w = self.workload
@@ -463,12 +459,10 @@ class SeedComparison:
             }
             out["speedup"]["vs_async_reused"] = interval(reused)
             out["speedup_per_seed"]["vs_async_reused"] = [round(r, 3) for r in reused]
-        out["makespan_speedup"] = {
-            k: interval([c.makespan_ratios()[k] for c in self.per_seed]) for k in c0.ceilings()
-        }
-        out["makespan_speedup_ceiling"] = {
-            k: interval([c.ceilings()[k] for c in self.per_seed]) for k in c0.ceilings()
-        }
+        speedups = [c.makespan_ratios() for c in self.per_seed]
+        ceilings = [c.ceilings() for c in self.per_seed]
+        out["makespan_speedup"] = {k: interval([x[k] for x in speedups]) for k in speedups[0]}
+        out["makespan_speedup_ceiling"] = {k: interval([x[k] for x in ceilings]) for k in ceilings[0]}
         return out
 
 
