@@ -79,7 +79,8 @@ class PoolSnapshot:
     running_generations: int = 0
     # Live executions waiting on their environment (their KV stays on the engine).
     waiting_on_environment: int = 0
-    # Seconds the trainer's last optimizer step took (0 = none yet).
+    # Seconds between the trainer's last two optimizer steps: its cadence, waits for scored work
+    # included (0 = none yet). The live trainer and the simulator report the same quantity.
     trainer_step_s: float = 0.0
     # Device-seconds of training the trainer can do now in its current step (0 = none runs, or it has
     # trained everything it has and waits for scored groups).
@@ -246,8 +247,10 @@ class ElasticPolicy(Policy):
     - Never strand the trainer: a trainer with work that holds fewer devices than its home share
       (pool - `home_rollout_devices`) gets its borrowed devices back (down to what live executions
       need) whatever the cadence, including before the first step, when the cadence is still
-      unknown. So Elastic never trains on fewer devices than Async at the same split while rollout
-      has devices to spare.
+      unknown, once a later batch waits for it or the training it has now outlasts two role changes
+      (`trainer_time_left_s`; the live trainer measures it from its first micro-batch). So Elastic
+      never trains a step that would use them on fewer devices than Async at the same split while
+      rollout has devices to spare, and a step shorter than the round trip keeps one device.
     """
 
     name = "elastic"
@@ -324,14 +327,18 @@ class ElasticPolicy(Policy):
           the trainer can do now lasts, at its current size, longer than `min_step_over_switch`
           role changes (a trainer that has trained all it has and waits for scored groups gains
           nothing from more devices, while the engines they leave would pack live executions);
-        - else those the trainer lent out, back up to its home share (a stranded trainer costs more
-          than two role changes), and at least one device: a trainer with work never waits for one.
-          Never more on a short cadence: a device the trainer would not use stays with rollout."""
+        - else those the trainer lent out, back up to its home share, when a later batch waits for
+          it or the training it has now outlasts two role changes at its current size (a stranded
+          trainer then costs more than the round trip), and at least one device: a trainer with work never waits for one.
+          Never more on a short cadence, nor for a step too short to use them: a device the trainer
+          would not use stays with rollout (its lease share follows its busy time)."""
         train = snapshot.count(Role.TRAIN)
         pays = snapshot.trainer_time_left_s > self.min_step_over_switch * self.role_change_s
         if self._moves_pay(snapshot) and pays:
             return spare
-        return max(0, min(spare, max(1, self.home_train_devices(snapshot)) - train))
+        stranded = snapshot.trainer_backlog >= 2 or snapshot.trainer_time_left_s > 2 * self.role_change_s
+        share = max(1, self.home_train_devices(snapshot)) if stranded else 1
+        return max(0, min(spare, share - train))
 
     def plan(self, snapshot: PoolSnapshot) -> list[Reassignment]:
         target = self.target_rollout(snapshot)

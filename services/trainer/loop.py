@@ -131,6 +131,9 @@ class Trainer:
         self.micro_device_s = 0.0  # measured device-seconds of the last micro-batch
         self.busy_device_s = 0.0  # device-seconds of every micro-batch trained so far (WorkerLoad)
         self.last_metrics: dict[str, float] = {}
+        # perf_counter at the last optimizer step's end (at first: when this loop was built), so that
+        # `step_interval_s` is the trainer's cadence, waits for scored work included (WorkerLoad.trainer_step_s)
+        self.last_step_end = time.perf_counter()
         self.last_batch_groups = 0  # scored groups in the last batch pulled
         self.latest_weights = common_pb2.WeightVersion()
         self.pacer = Pacer()  # paced devices (devices.pacing): set by the service; off = no wait
@@ -341,7 +344,9 @@ class Trainer:
             num_micro_batches=float(num_micro),
             num_parts=float(len(step)),
             step_s=time.perf_counter() - start,
+            step_interval_s=time.perf_counter() - self.last_step_end,
         )
+        self.last_step_end = time.perf_counter()
         if step_rms is not None:
             metrics["advantage_rms"] = step_rms
         if self.cfg.grad_clip:

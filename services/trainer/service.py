@@ -252,7 +252,7 @@ class TrainerService(Service):
             trainer_backlog_batches=math.ceil(self.backlog_groups / per_batch)
             + self.backlog_ready_batches
             + int(t.step_in_progress),
-            trainer_step_s=t.last_metrics.get("step_s", 0.0),
+            trainer_step_s=t.last_metrics.get("step_interval_s", 0.0),  # cadence, as the simulator reports it
             weight_version=t.state.version,
             trainer_backlog_groups=self.backlog_groups,
             trainer_step_in_progress=t.step_in_progress,

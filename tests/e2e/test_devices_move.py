@@ -9,8 +9,8 @@ and final service counters:
   published, so the trainer, the faster side, waits for scored groups between steps. Each step is
   then a rollout phase (32 live executions, nothing scored for the trainer: Elastic spreads rollout
   over every device but the trainer's last one) followed by a training phase (no live execution, a
-  batch for the trainer: rollout's devices are lent to it, at least back up to its home share of 2,
-  all of them while a step is running, as before the first step, when the trainer holds none). The
+  batch for the trainer: one device while its step has not started (its work is not measured yet),
+  all of rollout's while a step is running, as before the first step, when the trainer holds none). The
   device lent in one training phase is taken back in the next rollout phase: the load reports and
   the plan loop run every 0.25 s here (every 1-2 s in the quickstart), against phases of 0.6-2.6 s
   measured on the shared 2-core machine; and when the trainer holds every device, which every run

@@ -195,31 +195,43 @@ def test_elastic_lends_in_a_step_whose_own_training_outlasts_the_role_changes_wh
 
 def test_elastic_returns_borrowed_devices_to_a_trainer_below_its_home_share_before_any_step() -> None:
     # Home 2 + 2; the trainer got work while rollout still holds 3 (it spread over the idle trainer).
-    # Its cadence is unknown (no step yet) or short, so no optional move pays; the one borrowed device
-    # still goes back, and only that one (rollout keeps 2 although 1 live execution needs just 1).
+    # Its cadence is unknown (no step yet) or short, so no optional move pays; with 100 s of training
+    # measured (more than two role changes of 15 s) the one borrowed device still goes back, and only
+    # that one (rollout keeps 2 although 1 live execution needs just 1).
     for step_s in (0.0, 30.0):
         roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
         moves = ElasticPolicy(role_change_s=15.0).plan(
-            _snap(roles, live=1, backlog=1, busy=True, step_s=step_s)
+            _snap(roles, live=1, backlog=1, busy=True, step_s=step_s, work_device_s=100.0)
         )
         assert moves == [Reassignment("d02", Role.TRAIN, moves[0].reason)]
     # At its home share already: nothing moves on a short cadence.
     home = [Role.ROLLOUT] * 2 + [Role.TRAIN] * 2
     assert (
-        ElasticPolicy(role_change_s=15.0).plan(_snap(home, live=1, backlog=1, busy=True, step_s=30.0)) == []
+        ElasticPolicy(role_change_s=15.0).plan(
+            _snap(home, live=1, backlog=1, busy=True, step_s=30.0, work_device_s=100.0)
+        )
+        == []
     )
 
 
-def test_elastic_gives_a_stranded_trainer_its_home_share_whatever_the_cost_and_no_more() -> None:
+def test_elastic_gives_a_stranded_trainer_its_home_share_when_its_work_outlasts_two_role_changes() -> None:
     import dataclasses
 
-    snap = _snap([Role.ROLLOUT] * 3, live=0, cap=4, backlog=1, busy=True, step_s=1.0)
+    snap = _snap([Role.ROLLOUT] * 3, live=0, cap=4, backlog=1, busy=True, step_s=1.0, work_device_s=100.0)
     # A short cadence: no lend pays, so the trainer gets its home share (3 - 3 // 2 = 2), not the
     # whole idle rollout: a device it would not use stays where the next batch needs it.
     assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(snap)] == [Role.TRAIN] * 2
     # A home that leaves the trainer nothing (measured, or the operator's) still gives it one device.
     nothing = dataclasses.replace(snap, measured_home_rollout=3)
     assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(nothing)] == [Role.TRAIN]
+    # Training shorter than two role changes (20 s < 30 s), or not measured yet (0: the live trainer
+    # before its first micro-batch): one device, the rest stays with rollout ...
+    for work in (20.0, 0.0):
+        short = dataclasses.replace(snap, trainer_remaining_work_device_s=work)
+        assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(short)] == [Role.TRAIN]
+    # ... unless a later batch waits behind it: training is critical, the home share goes back.
+    queued = dataclasses.replace(snap, trainer_remaining_work_device_s=0.0, trainer_backlog=2)
+    assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(queued)] == [Role.TRAIN] * 2
     # A long cadence with lasting work: every idle engine is lent.
     long = dataclasses.replace(snap, trainer_step_s=900.0, trainer_remaining_work_device_s=1e5)
     assert len(ElasticPolicy(role_change_s=15.0).plan(long)) == 3
@@ -230,7 +242,8 @@ def test_after_its_first_step_an_unmeasured_trainer_keeps_what_it_holds_and_gets
 
     # The live quickstart: after step 1 the trainer (1 device) has work, rollout idles between batches.
     one = dataclasses.replace(
-        _snap([Role.ROLLOUT] * 3 + [Role.TRAIN], live=0, backlog=1, busy=True, step_s=3.0), latest_version=1
+        _snap([Role.ROLLOUT] * 3 + [Role.TRAIN], live=0, backlog=1, busy=True, step_s=3.0, work_device_s=0.1),
+        latest_version=1,
     )
     assert ElasticPolicy(role_change_s=0.02).plan(one) == []  # before step 1 it would get half the pool
     two = dataclasses.replace(one, devices=one.devices[:2] + tuple(dataclasses.replace(d, role=Role.TRAIN) for d in one.devices[2:3]) + one.devices[3:])  # fmt: skip
@@ -238,6 +251,9 @@ def test_after_its_first_step_an_unmeasured_trainer_keeps_what_it_holds_and_gets
     # once the meter has measured a home, it rules
     measured = dataclasses.replace(one, measured_home_rollout=2)
     assert [m.to_role for m in ElasticPolicy(role_change_s=0.02).plan(measured)] == [Role.TRAIN]
+    # ... for a step whose training outlasts two role changes (0.1 s > 0.04 s), not for a shorter one
+    brief = dataclasses.replace(measured, trainer_remaining_work_device_s=0.03)
+    assert ElasticPolicy(role_change_s=0.02).plan(brief) == []
 
 
 def test_elastic_takes_devices_back_when_new_batch_is_admitted() -> None:
@@ -288,15 +304,15 @@ def test_elastic_moves_devices_both_ways_when_rollout_and_training_alternate() -
 
     phase(live=32)  # batch 0 rolls out on the registered pool; no step yet, nothing optional
     assert roles == [Role.ROLLOUT] * 4
-    phase(backlog=1, busy=True)  # batch 0 waits, the trainer holds nothing, no step yet: its home share
-    assert roles == [Role.ROLLOUT, Role.ROLLOUT, Role.TRAIN, Role.TRAIN]
+    phase(backlog=1, busy=True)  # batch 0 waits, the trainer holds nothing, its work unmeasured: one device
+    assert roles == [Role.ROLLOUT, Role.ROLLOUT, Role.ROLLOUT, Role.TRAIN]
     phase(backlog=1, busy=True, step_s=1.0, work_device_s=0.5)  # its step runs: all of rollout
     assert roles == [Role.TRAIN] * 4
     for _ in range(2):
         phase(live=32, queued=32, step_s=1.0)  # the next batch: spread over all but one trainer device
         assert roles == [Role.TRAIN] + [Role.ROLLOUT] * 3
-        phase(backlog=1, busy=True, step_s=1.0)  # a batch waits: back up to the home share of 2
-        assert roles == [Role.TRAIN, Role.ROLLOUT, Role.ROLLOUT, Role.TRAIN]
+        phase(backlog=1, busy=True, step_s=1.0)  # a batch waits, its step not started: the trainer keeps 1
+        assert roles == [Role.TRAIN] + [Role.ROLLOUT] * 3
         phase(backlog=1, busy=True, step_s=1.0, work_device_s=0.5)  # its step runs: all of rollout
         assert roles == [Role.TRAIN] * 4
     assert history["d03"] == [Role.ROLLOUT, Role.TRAIN, Role.ROLLOUT, Role.TRAIN, Role.ROLLOUT, Role.TRAIN]
