@@ -38,7 +38,7 @@ async def test_a_rollout_whose_engine_crashes_restarts_it_keeps_serving_and_lose
         "  max_tokens: 3\n  openai: {port: null}\n  engine_restart_backoff_s: 0.2\n"
     )
     env = {**os.environ, "GYRE_NATS_URL": nats_url, "GYRE_DATABASE_URL": postgres_url,
-           "PYTHONWARNINGS": "ignore", "GYRE_TEST_FAIL_AFTER_STEPS": "10", "PYTHONPATH": str(ROOT)}  # fmt: skip
+           "PYTHONWARNINGS": "ignore", "GYRE_TEST_FAIL_AFTER_STEPS": "3", "PYTHONPATH": str(ROOT)}  # fmt: skip
     bus = await Bus.connect(nats_url, name="engine-crash-test")
     await bus.ensure_streams()
     proc = subprocess.Popen(  # noqa: ASYNC220 - one child, read in a thread
