@@ -247,8 +247,8 @@ class ElasticPolicy(Policy):
     - Never strand the trainer: a trainer with work that holds fewer devices than its home share
       (pool - `home_rollout_devices`) gets its borrowed devices back (down to what live executions
       need) whatever the cadence, including before the first step, when the cadence is still
-      unknown, once a later batch waits for it or the training it has now outlasts two role changes
-      (`trainer_time_left_s`; the live trainer measures it from its first micro-batch). So Elastic
+      unknown, once the training it has now outlasts two role changes (`trainer_time_left_s`; the
+      live trainer measures it from its first micro-batch). So Elastic
       never trains a step that would use them on fewer devices than Async at the same split while
       rollout has devices to spare, and a step shorter than the round trip keeps one device.
     """
@@ -327,16 +327,17 @@ class ElasticPolicy(Policy):
           the trainer can do now lasts, at its current size, longer than `min_step_over_switch`
           role changes (a trainer that has trained all it has and waits for scored groups gains
           nothing from more devices, while the engines they leave would pack live executions);
-        - else those the trainer lent out, back up to its home share, when a later batch waits for
-          it or the training it has now outlasts two role changes at its current size (a stranded
-          trainer then costs more than the round trip), and at least one device: a trainer with work never waits for one.
+        - else those the trainer lent out, back up to its home share, when the training it has now
+          outlasts two role changes at its current size (a stranded trainer then costs more than
+          the round trip; unmeasured work, 0, does not: the live trainer measures it from its
+          first micro-batch on, even with later batches queued), and at least one device: a trainer with work never waits for one.
           Never more on a short cadence, nor for a step too short to use them: a device the trainer
           would not use stays with rollout (its lease share follows its busy time)."""
         train = snapshot.count(Role.TRAIN)
         pays = snapshot.trainer_time_left_s > self.min_step_over_switch * self.role_change_s
         if self._moves_pay(snapshot) and pays:
             return spare
-        stranded = snapshot.trainer_backlog >= 2 or snapshot.trainer_time_left_s > 2 * self.role_change_s
+        stranded = snapshot.trainer_time_left_s > 2 * self.role_change_s
         share = max(1, self.home_train_devices(snapshot)) if stranded else 1
         return max(0, min(spare, share - train))
 

@@ -151,9 +151,10 @@ def test_elastic_spreads_the_rollout_over_an_idle_trainer_and_keeps_one_trainer_
 def test_elastic_returns_borrowed_devices_only_when_training_becomes_critical() -> None:
     roles = [Role.ROLLOUT] * 5 + [Role.TRAIN]
     # The trainer works on its step but no later batch waits for it: rollout keeps what it borrowed.
-    assert ElasticPolicy().plan(_snap(roles, live=8, cap=4, backlog=1, busy=True, step_s=900.0)) == []
+    work = {"busy": True, "step_s": 900.0, "work_device_s": 1e3}
+    assert ElasticPolicy().plan(_snap(roles, live=8, cap=4, backlog=1, **work)) == []
     # A later batch is scored and waits behind the running step: back to the home split of 3.
-    moves = ElasticPolicy().plan(_snap(roles, live=8, cap=4, backlog=2, busy=True, step_s=900.0))
+    moves = ElasticPolicy().plan(_snap(roles, live=8, cap=4, backlog=2, **work))
     assert len(moves) == 2 and all(m.to_role == Role.TRAIN for m in moves)
 
 
@@ -229,9 +230,10 @@ def test_elastic_gives_a_stranded_trainer_its_home_share_when_its_work_outlasts_
     for work in (20.0, 0.0):
         short = dataclasses.replace(snap, trainer_remaining_work_device_s=work)
         assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(short)] == [Role.TRAIN]
-    # ... unless a later batch waits behind it: training is critical, the home share goes back.
-    queued = dataclasses.replace(snap, trainer_remaining_work_device_s=0.0, trainer_backlog=2)
-    assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(queued)] == [Role.TRAIN] * 2
+    # ... even with later batches queued behind it (the quickstart's first steps: three batches
+    # scored at once, each trained in well under a second): unmeasured work claims no more devices.
+    queued = dataclasses.replace(snap, trainer_remaining_work_device_s=0.0, trainer_backlog=3)
+    assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(queued)] == [Role.TRAIN]
     # A long cadence with lasting work: every idle engine is lent.
     long = dataclasses.replace(snap, trainer_step_s=900.0, trainer_remaining_work_device_s=1e5)
     assert len(ElasticPolicy(role_change_s=15.0).plan(long)) == 3
