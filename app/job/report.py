@@ -306,7 +306,32 @@ def _busy_lines(a: RunAnalysis, busy: BusyTime | None) -> list[str]:
         f"{_fmt(s['train_lease_share'], 3)} of the pool's device-time by lease and computed "
         f"{_fmt(s['train_busy_share'], 3)} of it. In the plot, the dark line inside a lease is the time "
         f"that device computed.",
+        *_elastic_lease_lines(a, s),
     ]
+
+
+def _elastic_lease_lines(a: RunAnalysis, s: dict[str, Any]) -> list[str]:
+    """Under elastic: training's lease share against max(one device's share, 2 x its busy share), and
+    why a run with at most one reassignment kept its split (the policy's cost rules)."""
+    devices = len({seg.device_id for seg in a.segments})
+    lease, busy = s["train_lease_share"], s["train_busy_share"]
+    if a.policy != "elastic" or not devices or not all(isinstance(x, float) for x in (lease, busy)):
+        return []
+    bound = max(1.0 / devices, 2.0 * busy)
+    verdict = "within" if lease <= bound else "over"
+    lines = [
+        "",
+        f"Training's lease share {_fmt(lease, 3)} is {verdict} max(one device's share "
+        f"{_fmt(1.0 / devices, 3)}, 2 x its busy share {_fmt(2.0 * busy, 3)}) = {_fmt(bound, 3)}.",
+    ]
+    if a.num_reassignments <= 1:
+        lines.append(
+            "Elastic held its split after the trainer's first device: it lends the trainer more only for "
+            "a step whose training outlasts two role changes, and moves a device otherwise only when the "
+            "trainer's step cadence exceeds `elastic_min_step_over_switch` role changes "
+            "(docs/scheduler.md), so on short steps it keeps the split it took at the start."
+        )
+    return lines
 
 
 def render_markdown(

@@ -330,8 +330,8 @@ class ElasticPolicy(Policy):
         - else those the trainer lent out, back up to its home share, when the training it has now
           outlasts two role changes at its current size (a stranded trainer then costs more than
           the round trip; unmeasured work, 0, does not: the live trainer measures it from its
-          first micro-batch on, even with later batches queued), and at least one device: a trainer with work never waits for one.
-          Never more on a short cadence, nor for a step too short to use them: a device the trainer
+          first micro-batch on, even with later batches queued), and at least one device: a
+          trainer with work never waits for one. Never more on a short cadence, nor for a step too short to use them: a device the trainer
           would not use stays with rollout (its lease share follows its busy time)."""
         train = snapshot.count(Role.TRAIN)
         pays = snapshot.trainer_time_left_s > self.min_step_over_switch * self.role_change_s

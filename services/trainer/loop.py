@@ -329,6 +329,7 @@ class Trainer:
             if pending is not None:  # abandoned: the part pulled meanwhile is journaled (replayed later)
                 await pending
             self.step_in_progress, self.micro_left, self.step_parts = False, 0, 0
+        end = time.perf_counter()
         self.state.step += 1
         self.state.trained_batch_ids.extend(p.batch_id for p in step)
         self.last_batch_groups = len({g for p in step for g in p.group_ids})
@@ -343,10 +344,10 @@ class Trainer:
             dp_size_max=float(max(sizes)),
             num_micro_batches=float(num_micro),
             num_parts=float(len(step)),
-            step_s=time.perf_counter() - start,
-            step_interval_s=time.perf_counter() - self.last_step_end,
+            step_s=end - start,
+            step_interval_s=end - self.last_step_end,
         )
-        self.last_step_end = time.perf_counter()
+        self.last_step_end = end
         if step_rms is not None:
             metrics["advantage_rms"] = step_rms
         if self.cfg.grad_clip:
