@@ -60,8 +60,9 @@ class SchedulerConfig(ConfigModel):
         None,
         gt=0,
         description="Seconds one device needs to change role, as the elastic policy weighs a move. Unset: "
-        "measured in this run (median REASSIGN -> ACQUIRED time of the last 20 handoffs), 15 s until one "
-        "has completed.",
+        "measured in this run as half a round trip (the mean of the median REASSIGN -> ACQUIRED time of "
+        "the last 20 handoffs to training and of the last 20 back to rollout), a direction not yet timed "
+        "counting 15 s.",
     )
     elastic_min_step_over_switch: float = Field(
         20.0,

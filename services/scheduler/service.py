@@ -19,9 +19,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -35,6 +33,7 @@ from gyre.rpc import error_boundary
 from gyre.service import Runtime, Service
 from gyre.v1 import events_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.handoff_clock import HandoffClock
 from services.scheduler.lease_store import PostgresLeaseStore
 from services.scheduler.leases import ROLE_SERVICE, DeviceInfo, Lease, LeaseBook, LeaseState
 from services.scheduler.policies import (
@@ -49,7 +48,7 @@ from services.scheduler.policies import (
 from services.scheduler.pool_metrics import PoolMetrics, metrics_event
 from services.scheduler.snapshot import pool_snapshot
 from services.scheduler.split_meter import SplitMeter
-from services.scheduler.wire import device_from_pb, device_pb, lease_pb
+from services.scheduler.wire import PB_TO_ROLE, device_from_pb, device_pb, lease_pb
 
 log = logging.getLogger("gyre.scheduler")
 DEFAULT_ROLE_CHANGE_S = 15.0  # until this run has timed a handoff
@@ -66,8 +65,7 @@ class SchedulerService(Service):
         self.split_meter = SplitMeter()  # Elastic's measured home split (split_meter.py)
         self._publish_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
-        self._reassigned_at: dict[tuple[str, int], float] = {}  # handoff (device, epoch) -> REASSIGN time
-        self.handoff_s: collections.deque[float] = collections.deque(maxlen=20)  # recent handoff durations
+        self.handoffs = HandoffClock(window=20)  # this run's handoff times per direction (handoff_clock.py)
         self.pool_metrics = PoolMetrics()
         # event ids of this process's MetricsEvents: a restarted scheduler counts intervals from 0 again
         self._metrics_tag = f"{time.time_ns():x}"
@@ -133,11 +131,12 @@ class SchedulerService(Service):
         )
 
     def role_change_s(self) -> float:
-        """The configured role-change time, else the median of this run's recent handoffs
-        (REASSIGN -> ACQUIRED, seconds), else 15 s."""
+        """The configured role-change time, else half this run's measured round trip: the mean of the
+        median handoff (REASSIGN -> ACQUIRED, seconds) to training and back to rollout, a direction
+        not yet timed counting 15 s (handoff_clock.py)."""
         if self.cfg.role_change_s is not None:
             return self.cfg.role_change_s
-        return statistics.median(self.handoff_s) if self.handoff_s else DEFAULT_ROLE_CHANGE_S
+        return self.handoffs.role_change_s(DEFAULT_ROLE_CHANGE_S)
 
     def snapshot(self) -> PoolSnapshot | None:
         """The pool as a policy sees it, or None while a live worker has not reported its load yet."""
@@ -199,11 +198,13 @@ class SchedulerService(Service):
         )
 
     def _time_handoff(self, event: events_pb2.LeaseEvent) -> None:
-        key = (event.lease.device_id, event.lease.epoch)
-        if event.kind == events_pb2.LeaseEvent.KIND_REASSIGN:
-            self._reassigned_at[key] = event.created_unix_s
-        elif event.kind == events_pb2.LeaseEvent.KIND_ACQUIRED and key in self._reassigned_at:
-            self.handoff_s.append(event.created_unix_s - self._reassigned_at.pop(key))
+        lease = event.lease
+        if event.kind == events_pb2.LeaseEvent.KIND_REASSIGN and lease.target_role in PB_TO_ROLE:
+            self.handoffs.reassigned(
+                lease.device_id, lease.epoch, PB_TO_ROLE[lease.target_role], event.created_unix_s
+            )
+        elif event.kind == events_pb2.LeaseEvent.KIND_ACQUIRED:
+            self.handoffs.acquired(lease.device_id, lease.epoch, event.created_unix_s)
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.to_thread(fn, *args)

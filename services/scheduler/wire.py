@@ -11,6 +11,7 @@ ROLE_TO_PB = {
     Role.ROLLOUT: common_pb2.DEVICE_ROLE_ROLLOUT,
     Role.TRAIN: common_pb2.DEVICE_ROLE_TRAIN,
 }
+PB_TO_ROLE = {pb: role for role, pb in ROLE_TO_PB.items()}
 STATE_TO_PB = {
     LeaseState.ACTIVE: common_pb2.LEASE_STATE_ACTIVE,
     LeaseState.DRAINING: common_pb2.LEASE_STATE_DRAINING,
