@@ -6,6 +6,9 @@ boot. A group that wants to start beyond that waits until the trainer publishes 
 This is what bounds rollout to the data the trainer can take within the staleness bound
 (AReaL-style), instead of flooding the pipeline with executions nobody will train on.
 
+Group ids are `<task>-g<n>`, n the task's own count of groups unless the family numbers groups in
+admission order (`TaskFamily.group_number`; the `workload` environment does, so that its groups
+follow the simulator's steps in the order they are admitted).
 Restarts: group ids are `<task>-g<n>` in the first process of a run and `<task>-r<k>g<n>` in its
 k-th restart (`incarnation`, from GYRE_INCARNATION, which the supervisor sets), so a restarted
 process never reuses the id of a group its predecessor started. What the predecessor left running
@@ -105,7 +108,9 @@ class ExecutionManager:
                 self.start_group(task_id, group_size)
 
     def start_group(self, task_id: str, group_size: int) -> list[str]:
-        n = next(self._groups.setdefault(task_id, itertools.count()))
+        n = self.family.group_number(
+            task_id, next(self._groups.setdefault(task_id, itertools.count())), self.groups_started
+        )
         group_id = f"{task_id}-g{n}" if self.incarnation == 0 else f"{task_id}-r{self.incarnation}g{n}"
         self.groups_started += 1
         ids = []

@@ -6,9 +6,16 @@ instead of driving an environment through an engine); the ExecutionManager under
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from gyre.pacing import Pacer
+from gyre.workload import load_workload_file, sample_executions
 from services.rollout.environments.longhorizon import LongHorizonFamily, LongHorizonSpec
+from services.rollout.environments.workload_plans import WorkloadFamily
 from services.rollout.executions import ExecutionManager
 from tests.helpers.agents import InstantAgent, settle
+
+SMALL = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "small.yaml"
 
 
 async def test_continuous_rollout_waits_for_a_new_weight_version_before_exceeding_the_bound() -> None:
@@ -48,4 +55,29 @@ async def test_without_a_group_budget_continuous_rollout_restarts_every_group() 
     manager.start(num_tasks=1, group_size=2)
     await settle()
     assert manager.groups_started > 4
+    await manager.stop()
+
+
+async def test_workload_groups_follow_the_simulators_steps_in_admission_order_whichever_task_runs_them() -> (
+    None
+):
+    # A task whose groups end early must take the next group of the simulated order, not run ahead
+    # through its own steps (on a drifting workload, into the wrap-around to the shortest plans).
+    w = load_workload_file(SMALL)
+    family = WorkloadFamily(w, Pacer(), time_scale=1e9)
+    manager = ExecutionManager(
+        InstantAgent(),  # type: ignore[arg-type]
+        family,
+        run_id="r",
+        seed=0,
+        max_live=64,
+        continuous=False,
+    )
+    boot = manager.start(num_tasks=w.tasks_per_step, group_size=1)
+    assert boot == [f"wl-{i:05d}-g{i}-e0" for i in range(w.tasks_per_step)]  # step 0, one group per task
+    fast = [manager.start_group("wl-00003", group_size=1)[0] for _ in range(2)]
+    assert fast == [f"wl-00003-g{w.tasks_per_step}-e0", f"wl-00003-g{w.tasks_per_step + 1}-e0"]
+    plans = sample_executions(w)
+    for i, eid in enumerate(fast):  # step 1's first two tasks' plans, not task 3's steps 1 and 2
+        assert family.plan_for(3, eid)[0] == plans[1][i * w.group_size]
     await manager.stop()

@@ -153,10 +153,11 @@ async def test_workload_environment_follows_the_simulators_plans_and_tells_the_p
     plans = sample_executions(w)
     env = family.make("wl-00002")
 
+    # the rollout's 6th group (admission ordinal 5), whatever its task: step 5 // 4 = 1, task 5 % 4 = 1
     async def run() -> tuple[int, float | None]:
         opening = await env.reset()
-        assert opening and env.plan == plans[1 % w.num_steps][2 * w.group_size + 3]
-        assert pacer.turns["wl-00002-g1-e3"] == ModeledTurn(0.0, env.plan.obs[0], env.plan.gen[0])
+        assert opening and env.plan == plans[1][1 * w.group_size + 3]
+        assert pacer.turns["wl-00002-g5-e3"] == ModeledTurn(0.0, env.plan.obs[0], env.plan.gen[0])
         ctx, turns = 0.0, 0
         while True:
             turn = env.turn
@@ -164,13 +165,13 @@ async def test_workload_environment_follows_the_simulators_plans_and_tells_the_p
             turns += 1
             ctx += env.plan.obs[turn] + env.plan.gen[turn]
             if result.done:
-                assert "wl-00002-g1-e3" not in pacer.turns
+                assert "wl-00002-g5-e3" not in pacer.turns
                 return turns, result.reward
-            assert pacer.turns["wl-00002-g1-e3"] == ModeledTurn(
+            assert pacer.turns["wl-00002-g5-e3"] == ModeledTurn(
                 ctx, env.plan.obs[turn + 1], env.plan.gen[turn + 1]
             )
 
-    turns, reward = await asyncio.create_task(run(), name="wl-00002-g1-e3")
+    turns, reward = await asyncio.create_task(run(), name="wl-00002-g5-e3")
     assert env.plan is not None and turns == len(env.plan.gen)
     assert reward == pytest.approx(sum(target_hit([2 if t % 2 else 3]) for t in range(turns)) / turns)
 

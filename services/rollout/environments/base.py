@@ -118,3 +118,11 @@ class TaskFamily(abc.ABC):
     @abc.abstractmethod
     def make(self, task_id: str) -> Environment:
         """A fresh environment for one execution of `task_id`."""
+
+    def group_number(self, task_id: str, task_group: int, ordinal: int) -> int:
+        """The number n in a new group's id `<task>-g<n>`: by default `task_group`, the task's own
+        count of groups started by this rollout process (from 0). A family whose environments take
+        something from the id may use `ordinal` instead: the group's place among all the groups this
+        process started (from 0, in admission order). Unique per task within a process either way."""
+        del task_id, ordinal
+        return task_group

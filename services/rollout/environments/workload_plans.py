@@ -3,12 +3,17 @@
 The workload file is the one `gyre sim --workload-file` reads (gyre/workload.py): each execution
 follows one `ExecutionPlan` of the simulator's seeded sampler (`sample_executions`): its number of
 turns, each turn's modelled observation and generated tokens, and the tool latency after each turn.
-Execution `e<k>` of the `n`-th group of task `wl-<i>` follows the plan of simulated step
-`n mod num_steps`, task `i mod tasks_per_step`, sample `k mod group_size`, so a run with
-`tasks_per_step` tasks in continuous mode (one group per task per trainer step) sees the
-simulator's batches. The execution learns its id from the asyncio task that runs it (the rollout
-names each execution's task by its execution id, services/rollout/executions.py); under any other
-driver it takes plans in start order.
+The rollout numbers this family's groups in admission order (`group_number`: group `wl-<i>-g<n>`
+is the n-th group the rollout process started, whatever its task), and execution `e<k>` of group n
+follows the plan of simulated step `(n // tasks_per_step) mod num_steps`, task
+`n mod tasks_per_step`, sample `k mod group_size`: the live run starts the simulator's batches in
+the simulator's order. (Numbered per task instead, a task whose groups end early ran ahead of the
+others through the steps and wrapped around to the first, shortest plans of a drifting workload,
+and the live run trained a shorter mix than the simulated one: docs/scheduler.md.) The plan is a
+function of the execution id, so a resumed execution replays the plan it started. The execution
+learns its id from the asyncio task that runs it (the rollout names each execution's task by its
+execution id, services/rollout/executions.py); under any other driver it takes plans in start
+order.
 
 Each turn the environment tells the pacer (gyre/pacing.py) the turn's modelled tokens (context so
 far, observation, generated), so a paced engine takes as long as the modelled accelerator would;
@@ -157,19 +162,26 @@ class WorkloadFamily(TaskFamily):
     def task_ids(self, num_tasks: int) -> list[str]:
         return [f"wl-{i:05d}" for i in range(num_tasks)]
 
+    def group_number(self, task_id: str, task_group: int, ordinal: int) -> int:
+        """Groups are numbered in admission order (the module doc)."""
+        del task_id, task_group
+        return ordinal
+
     def plan_for(self, task_index: int, execution_id: str) -> tuple[ExecutionPlan, int]:
-        """The plan of an execution and its ordinal within the task (group n, member k: n x group_size
-        + k), by its id when it has the rollout's form, else in start order."""
+        """The plan of an execution and its ordinal (group n, member k: n x group_size + k): by its id
+        when it has the rollout's form (n = the group's admission ordinal), else in start order (the
+        task's own index picks the plan's task)."""
         w = self.workload
         m = _EXECUTION_RE.match(execution_id)
         if m:
-            step, member = int(m.group(2)), int(m.group(3))
+            group, member = int(m.group(2)), int(m.group(3))
+            step, slot = divmod(group, w.tasks_per_step)
         else:
             n = next(self._order)
-            step, member = n // w.group_size, n % w.group_size
-        batch = self.plans[step % w.num_steps]
-        index = (task_index % w.tasks_per_step) * w.group_size + member % w.group_size
-        return batch[index], step * w.group_size + member
+            group, member = divmod(n, w.group_size)
+            step, slot = group, task_index % w.tasks_per_step
+        index = slot * w.group_size + member % w.group_size
+        return self.plans[step % w.num_steps][index], group * w.group_size + member
 
     def make(self, task_id: str) -> WorkloadEnv:
         m = _TASK_RE.match(task_id)
