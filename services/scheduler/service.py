@@ -51,7 +51,7 @@ from services.scheduler.split_meter import SplitMeter
 from services.scheduler.wire import PB_TO_ROLE, device_from_pb, device_pb, lease_pb
 
 log = logging.getLogger("gyre.scheduler")
-DEFAULT_ROLE_CHANGE_S = 15.0  # until this run has timed a handoff
+DEFAULT_ROLE_CHANGE_S = 15.0  # a handoff direction this run has not timed yet (handoff_clock.py)
 T = TypeVar("T")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gyre.pacing import Pacer
 from gyre.workload import load_workload_file, sample_executions
+from services.rollout.environments.base import TaskFamily
 from services.rollout.environments.longhorizon import LongHorizonFamily, LongHorizonSpec
 from services.rollout.environments.workload_plans import WorkloadFamily
 from services.rollout.executions import ExecutionManager
@@ -18,18 +19,25 @@ from tests.helpers.agents import InstantAgent, settle
 SMALL = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "small.yaml"
 
 
-async def test_continuous_rollout_waits_for_a_new_weight_version_before_exceeding_the_bound() -> None:
-    family = LongHorizonFamily(LongHorizonSpec(num_actions=4, max_turns=4, seed=0))
-    manager = ExecutionManager(
+def _manager(family: TaskFamily, *, continuous: bool, **admission: int) -> ExecutionManager:
+    """A real ExecutionManager over the scripted agent (`admission`: groups_per_version, staleness_bound)."""
+    return ExecutionManager(
         InstantAgent(),  # type: ignore[arg-type]
         family,
         run_id="r",
         seed=0,
         max_live=64,
-        continuous=True,
-        groups_per_version=2,
-        staleness_bound=1,
+        continuous=continuous,
+        **admission,
     )
+
+
+def _longhorizon() -> LongHorizonFamily:
+    return LongHorizonFamily(LongHorizonSpec(num_actions=4, max_turns=4, seed=0))
+
+
+async def test_continuous_rollout_waits_for_a_new_weight_version_before_exceeding_the_bound() -> None:
+    manager = _manager(_longhorizon(), continuous=True, groups_per_version=2, staleness_bound=1)
     manager.start(num_tasks=2, group_size=2)
     await settle()
     assert manager.groups_started == 4  # 2 * (version 0 + 1 + bound 1)
@@ -43,15 +51,7 @@ async def test_continuous_rollout_waits_for_a_new_weight_version_before_exceedin
 
 
 async def test_without_a_group_budget_continuous_rollout_restarts_every_group() -> None:
-    family = LongHorizonFamily(LongHorizonSpec(num_actions=4, max_turns=4, seed=0))
-    manager = ExecutionManager(
-        InstantAgent(),  # type: ignore[arg-type]
-        family,
-        run_id="r",
-        seed=0,
-        max_live=64,
-        continuous=True,
-    )
+    manager = _manager(_longhorizon(), continuous=True)
     manager.start(num_tasks=1, group_size=2)
     await settle()
     assert manager.groups_started > 4
@@ -65,14 +65,7 @@ async def test_workload_groups_follow_the_simulators_steps_in_admission_order_wh
     # through its own steps (on a drifting workload, into the wrap-around to the shortest plans).
     w = load_workload_file(SMALL)
     family = WorkloadFamily(w, Pacer(), time_scale=1e9)
-    manager = ExecutionManager(
-        InstantAgent(),  # type: ignore[arg-type]
-        family,
-        run_id="r",
-        seed=0,
-        max_live=64,
-        continuous=False,
-    )
+    manager = _manager(family, continuous=False)
     boot = manager.start(num_tasks=w.tasks_per_step, group_size=1)
     assert boot == [f"wl-{i:05d}-g{i}-e0" for i in range(w.tasks_per_step)]  # step 0, one group per task
     fast = [manager.start_group("wl-00003", group_size=1)[0] for _ in range(2)]
