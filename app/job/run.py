@@ -134,14 +134,6 @@ def record_segment(run_dir: Path, started: float, ended: float) -> float:
     return sum(b - a for a, b in segments)
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 # (section, field) -> the service whose gRPC address it needs
 _ADDRESS_FIELDS = {
     ("rollout", "scheduler_address"): "scheduler",
@@ -158,9 +150,10 @@ def service_wiring(raw: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str,
     environment. Returns (service_args, extra_env) for `Deployment`.
     """
     from app.launcher.config import LauncherConfig
+    from gyre.embedded import free_port
 
     launcher = load_section(LauncherConfig, "launcher", data=raw)
-    ports = {name: _free_port(launcher.host) for name in launcher.services}
+    ports = {name: free_port(launcher.host.strip("[]")) for name in launcher.services}
     service_args = {name: ["--port", str(port)] for name, port in ports.items()}
     extra_env: dict[str, str] = {}
     for (section, fld), target in _ADDRESS_FIELDS.items():

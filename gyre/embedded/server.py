@@ -9,20 +9,13 @@ from __future__ import annotations
 
 import atexit
 import pwd
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from gyre.embedded.ports import free_port
 from gyre.embedded.process import ProcessGroup
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the caller retries if it got taken meanwhile)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class EmbeddedServer:
