@@ -12,9 +12,9 @@ and final service counters:
   batch for the trainer: one device while its step has not started (its work is not measured yet),
   all of rollout's while a step is running, as before the first step, when the trainer holds none). The
   device lent in one training phase is taken back in the next rollout phase: the load reports and
-  the plan loop run every 0.25 s here (every 1-2 s in the quickstart), against phases of 0.6-2.6 s
-  measured on the shared 2-core machine; and when the trainer holds every device, which every run
-  here showed before the first step, the waiting executions force the return. The policy's cost
+  the plan loop run every 0.1 s here (every 1-2 s in the quickstart), against training phases of
+  0.1-0.6 s measured on the shared 2-core machine; and when the trainer holds every device, the
+  waiting executions force the return. The policy's cost
   rule is switched off (`scheduler.elastic_min_step_over_switch: 0`): the quickstart's steps are
   too short for any optional move to pay under it (`make run` keeps it: there the round trip is
   the start-up one, all devices lent before the first step, two or three taken back after it);
@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
-SAMPLE_S = 0.25  # seconds between load reports and between plans
+SAMPLE_S = 0.1  # seconds between load reports and between plans
 
 
 def _run(policy: str, run_dir: Path, steps: int) -> subprocess.CompletedProcess[str]:
@@ -52,7 +52,7 @@ def _run(policy: str, run_dir: Path, steps: int) -> subprocess.CompletedProcess[
     # Elastic's cost rule lends only when a trainer step is 20 role changes long; the quickstart's
     # steps are a second or two, so in this test every move pays (the rule has its unit tests).
     raw["scheduler"]["elastic_min_step_over_switch"] = 0.0
-    # The policy sees each phase of a step: loads reported and plans made every 0.25 s.
+    # The policy sees each phase of a step: loads reported and plans made every 0.1 s.
     raw["scheduler"]["plan_interval_s"] = SAMPLE_S
     for section in ("rollout", "trainer"):
         raw.setdefault(section, {})["report_load_interval_s"] = SAMPLE_S
@@ -118,10 +118,11 @@ def test_devices_move_between_rollout_and_training_without_interrupting_executio
     policy: str, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / policy
-    # A lend to the trainer needs a load report inside a training phase (0.15-0.6 s on the shared
-    # machine) once the step's remaining work is measured (from its first micro-batch): the 0.25-s
-    # reports catch that in some steps, not in every one (a 3-step clean-clone run caught none), so
-    # the elastic case runs twice as many steps.
+    # A lend to the trainer needs a load report inside a training phase (0.1-0.6 s on the shared
+    # machine) once the step's remaining work is measured (from its first micro-batch), and a plan
+    # before the next report: reports every 0.25 s caught that in some steps only (a 3-step and,
+    # later, a 6-step clean-clone run caught none, with 0.1-s phases), so reports and plans come
+    # every 0.1 s and the elastic case runs twice as many steps.
     steps = 2 * STEPS if policy == "elastic" else STEPS
     proc = _run(policy, run_dir, steps)
     assert proc.returncode == 0, f"gyre run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
