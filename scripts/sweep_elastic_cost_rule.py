@@ -26,14 +26,14 @@ from services.scheduler.policies import AsyncPolicy, ElasticPolicy  # noqa: E402
 from services.scheduler.sim.compare import simulate, sweep_async_runs, with_seed  # noqa: E402
 
 
-def _workloads(names: str | None) -> list[Workload]:
+def workloads(names: str | None) -> list[Workload]:
     if names:
         return [load_workload_file(n) if n.endswith(".yaml") else builtin(n) for n in names.split(",")]
     files = sorted((ROOT / "examples" / "workloads").glob("*.yaml"))
     return list(BUILTIN_WORKLOADS.values()) + [load_workload_file(f) for f in files]
 
 
-def _baseline(w: Workload, cache: Path | None) -> dict[str, float]:
+def baseline(w: Workload, cache: Path | None) -> dict[str, float]:
     path = cache / f"{w.name}-{w.seed}.json" if cache else None
     if path and path.exists():
         return dict(json.loads(path.read_text()))
@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, help="directory keeping each workload-seed's fixed-split sweep")
     args = p.parse_args(argv)
     factors = [float(x) for x in args.factors.split(",")]
-    for w0 in _workloads(args.workloads):
+    for w0 in workloads(args.workloads):
         for i in range(args.seeds):
             w = with_seed(w0, w0.seed + i)
-            base = _baseline(w, args.cache)
+            base = baseline(w, args.cache)
             row: dict[str, object] = {"workload": w.name, "seed": w.seed, "best_units": base["best_units"]}
             for f in factors:
                 policy = ElasticPolicy(

@@ -3,6 +3,7 @@ work, multi-seed intervals and the CLI contract. Small workloads only: seconds o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,12 +11,13 @@ import pytest
 
 from gyre.costmodel import CostModel
 from gyre.workload import ServiceSemantics, Workload
-from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, Role
+from services.scheduler.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, PoolSnapshot, Role
 from services.scheduler.sim import builtin, load_workload_file, predict, simulate
 from services.scheduler.sim.cli import main as sim_main
 from services.scheduler.sim.compare import SeedComparison, compare_seeds, interval, with_semantics
 from services.scheduler.sim.engine import Simulation
 from services.scheduler.sim.sample import sample_executions
+from services.scheduler.split_meter import SplitMeter
 
 SMALL = Path(__file__).resolve().parents[2] / "examples" / "workloads" / "small.yaml"
 
@@ -252,3 +254,25 @@ def test_a_turn_stays_when_the_kv_copy_costs_more_than_it_saves() -> None:
     e = sim.execs[0]
     sim._rebalance(e)
     assert e.unit == 0 and sim.num_rebalanced == 0
+
+
+def test_a_split_meter_handed_to_simulate_is_the_one_the_elastic_run_consults():
+    """Studies replace the meter (scripts/elastic_first_move_bound.py); the run must then follow it."""
+
+    class FixedHome(SplitMeter):
+        def __init__(self, home: int) -> None:
+            super().__init__()
+            self.calls = 0
+            self.fixed = home
+
+        def observe(self, snapshot: PoolSnapshot, now_s: float) -> PoolSnapshot:
+            self.calls += 1
+            return dataclasses.replace(snapshot, measured_home_rollout=self.fixed)
+
+    w = load_workload_file(SMALL)
+    elastic = ElasticPolicy(staleness_bound=w.staleness_bound, role_change_s=w.costs.elastic_role_change_s)
+    one, most = FixedHome(1), FixedHome(w.num_units - 1)
+    at_one, at_most = simulate(w, elastic, split_meter=one), simulate(w, elastic, split_meter=most)
+    assert one.calls > 0 and most.calls > 0
+    assert at_one.step_done_s != at_most.step_done_s
+    assert at_one.step_done_s == simulate(w, elastic, split_meter=FixedHome(1)).step_done_s

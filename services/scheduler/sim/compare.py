@@ -59,6 +59,7 @@ from services.scheduler.policies import (
 from services.scheduler.sim.bound import makespan_lower_bound_s
 from services.scheduler.sim.engine import SimResult, Simulation
 from services.scheduler.sim.sample import ExecutionPlan, sample_executions
+from services.scheduler.split_meter import SplitMeter
 
 # What the paper's baselines do: no streaming trainer, no partial progress (resize is moot for them).
 PAPER_SEMANTICS = ServiceSemantics(
@@ -86,10 +87,14 @@ def with_semantics(w: Workload, sem: ServiceSemantics) -> Workload:
     return w.model_copy(update={"service": sem})
 
 
-def simulate(w: Workload, policy: Policy, record_snapshots: bool = False) -> SimResult:
-    """One simulated run of `policy` on `w` (trajectories sampled once per workload and seed)."""
+def simulate(
+    w: Workload, policy: Policy, record_snapshots: bool = False, split_meter: SplitMeter | None = None
+) -> SimResult:
+    """One simulated run of `policy` on `w` (trajectories sampled once per workload and seed);
+    `split_meter` replaces the shipped meter (studies only: scripts/elastic_first_move_bound.py)."""
     execs, capacity = _prepared(w)
-    return Simulation(policy, w, execs, capacity, record_snapshots=record_snapshots).run()
+    sim = Simulation(policy, w, execs, capacity, record_snapshots=record_snapshots, split_meter=split_meter)
+    return sim.run()
 
 
 def elastic_policy(w: Workload) -> ElasticPolicy:

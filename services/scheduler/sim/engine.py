@@ -77,6 +77,7 @@ class Simulation(TrainerSide):
         engine_capacity: int,
         record_snapshots: bool = False,
         plan_interval_s: float = 1.0,
+        split_meter: SplitMeter | None = None,
     ) -> None:
         self.policy = policy
         self.w = workload
@@ -136,7 +137,7 @@ class Simulation(TrainerSide):
         self.busy_by_role = {Role.ROLLOUT: 0.0, Role.TRAIN: 0.0}
         self.busy_now = {Role.ROLLOUT: 0.0, Role.TRAIN: 0.0}
         self.busy_mark = 0.0
-        self.split_meter = SplitMeter()
+        self.split_meter = split_meter if split_meter is not None else SplitMeter()
         self.role_since = [0.0] * len(self.units)
         self.timeline: list[tuple[int, float, float, str]] = []
         self.first_start: dict[int, float] = {}
