@@ -65,12 +65,13 @@ class SchedulerConfig(ConfigModel):
         "counting 15 s.",
     )
     elastic_min_step_over_switch: float = Field(
-        20.0,
+        2.0,
         ge=0,
-        description="Elastic lends to (or spreads over) a trainer that already holds devices only when its "
-        "last step, or the training left in the step in progress, took more than this many role changes; "
-        "0 = every such move pays (moves every step). Swept 3-20 in the simulator on the shipped workloads: "
-        "within 0.2% of each other on average (docs/scheduler.md).",
+        description="Elastic lends rollout devices to a trainer that already holds devices only when its "
+        "last step, or the training left in the step in progress, took more than this many role changes, "
+        "and the training it has now outlasts as many; 0 = every such move pays (moves every step). "
+        "2: a lent device goes and comes back, so a shorter step cannot repay the round trip. Swept 1-20 "
+        "in the simulator on the shipped workloads: 1.5-2.5 best (docs/scheduler.md).",
     )
     default_engine_capacity: int = Field(
         4, ge=1, description="Executions one rollout device hosts, until a worker reports engine_capacity."

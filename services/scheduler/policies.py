@@ -223,8 +223,10 @@ class ElasticPolicy(Policy):
     - Executions first: rollout holds ceil(L / c) devices when it can (the trainer keeps
       `min_train_devices`), so no execution waits for a batch slot, and never fewer than its
       resident executions occupy: a handoff migrates in-flight generations, it never aborts one.
-    - Trainer idle (no scored work): its devices spread the rollout, up to one device per live
-      execution (decode is memory-bound: fewer executions per engine decode faster).
+    - Trainer idle (no scored work): rollout keeps what it holds and takes back its home share; it does
+      not spread over the idle trainer's devices unless `spread_idle` is set (one engine per live
+      execution; off by default: the trainer's next scored group often arrives within a round trip,
+      and in the simulator spreading lost on every workload it changed, docs/scheduler.md).
     - Trainer busy: rollout keeps what it holds while no later batch waits for the trainer; once one
       does (training is on the critical path, `trainer_backlog >= 2`), borrowed devices go back down
       to the home split (`home_rollout`): chosen online from the load reports and step times
@@ -234,10 +236,11 @@ class ElasticPolicy(Policy):
       resident executions, then fewest context tokens, from the rollout's per-engine load reports;
       ties by device ID, highest first), so an empty engine is lent before one whose executions
       would have to be live-migrated. It never packs executions to lend more.
-    - A move must pay for itself: optional moves (spreading, lending) happen only when the trainer's
-      step cadence (`trainer_step_s`, or the step in progress: at least the training it still has,
-      `trainer_time_left_s`) exceeds `min_step_over_switch` role changes (`role_change_s`);
-      on shorter steps Elastic holds its split like Async. Lending in the tail also needs trainer
+    - A move must pay for itself: optional moves (lending, and spreading when on) happen only when the
+      trainer's step cadence (`trainer_step_s`, or the step in progress: at least the training it
+      still has, `trainer_time_left_s`) exceeds `min_step_over_switch` role changes (`role_change_s`;
+      2 by default: a lent device goes and comes back, so a step shorter than that round trip cannot
+      repay it); on shorter steps Elastic holds its split like Async. Lending in the tail also needs trainer
       work that extra devices can speed up now: the work it can train at once
       (`trainer_remaining_work_device_s` over its data-parallel size) must outlast as many role
       changes; a trainer waiting for scored groups keeps its devices and rollout keeps its engines
@@ -261,8 +264,8 @@ class ElasticPolicy(Policy):
         min_train_devices: int = 1,
         home_rollout_devices: int | None = None,
         role_change_s: float = 15.0,
-        min_step_over_switch: float = 20.0,
-        spread_idle: bool = True,
+        min_step_over_switch: float = 2.0,
+        spread_idle: bool = False,
     ) -> None:
         super().__init__(staleness_bound)
         if role_change_s < 0 or min_step_over_switch < 0:
@@ -283,9 +286,9 @@ class ElasticPolicy(Policy):
         must = min(ceiling, math.ceil(live / cap))
         # Never below what the resident executions occupy (a handoff migrates, it never aborts).
         must = max(must, math.ceil(max(0, live - snapshot.queued_generations) / cap))
-        if not snapshot.trainer_wants_devices and self._moves_pay(snapshot):
+        if self.spread_idle and not snapshot.trainer_wants_devices and self._moves_pay(snapshot):
             # Spread the rollout over the idle trainer's devices (one engine per live execution at most).
-            return min(ceiling, max(must, live if self.spread_idle else must))
+            return min(ceiling, max(must, live))
         home = self.home_rollout(snapshot)
         if snapshot.trainer_backlog < 2:
             # Training is not critical (no later batch waits for it): keep what rollout holds.
@@ -376,7 +379,7 @@ def make_policy(
     staleness_bound: int = 1,
     num_rollout_devices: int | None = None,
     role_change_s: float = 15.0,
-    min_step_over_switch: float = 20.0,
+    min_step_over_switch: float = 2.0,
 ) -> Policy:
     """Build a policy by name. `async` needs `num_rollout_devices` (its fixed split); `elastic`
     takes the same split as its home (None: half the pool) and the seconds one device needs to

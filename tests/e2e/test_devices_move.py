@@ -7,8 +7,8 @@ and final service counters:
 - elastic: devices go rollout -> train -> rollout too, by mechanism. The elastic case runs with
   synchronous admission (`rollout.max_staleness: 0`): the groups of version v start only once v is
   published, so the trainer, the faster side, waits for scored groups between steps. Each step is
-  then a rollout phase (32 live executions, nothing scored for the trainer: Elastic spreads rollout
-  over every device but the trainer's last one) followed by a training phase (no live execution, a
+  then a rollout phase (32 live executions, nothing scored for the trainer: rollout takes back its
+  home share) followed by a training phase (no live execution, a
   batch for the trainer: one device while its step has not started (its work is not measured yet),
   all of rollout's while a step is running, as before the first step, when the trainer holds none). The
   device lent in one training phase is taken back in the next rollout phase: the load reports and

@@ -118,7 +118,7 @@ def test_elastic_keeps_tail_engines_while_the_trainer_waits_for_scored_groups() 
     # Same tail, but the trainer has trained all it has (or has less left than the moves would take):
     # more devices would not speed it up, and the engines they leave would pack live executions.
     roles = [Role.ROLLOUT] * 4 + [Role.TRAIN] * 4
-    for work in (0.0, 4 * 20 * 15.0):
+    for work in (0.0, 4 * 2 * 15.0):  # 30 s left on 4 devices: not over a round trip of 15-s role changes
         snap = _snap(roles, live=1, cap=4, backlog=2, busy=True, step_s=900.0, work_device_s=work)
         assert ElasticPolicy().plan(snap) == []
 
@@ -139,11 +139,14 @@ def test_elastic_never_plans_fewer_slots_than_live_executions() -> None:
             assert rollout * 4 >= live, (live, busy)
 
 
-def test_elastic_spreads_the_rollout_over_an_idle_trainer_and_keeps_one_trainer_device() -> None:
+def test_elastic_takes_back_its_home_share_from_an_idle_trainer_and_spreads_further_only_when_asked() -> None:
     roles = [Role.ROLLOUT] * 2 + [Role.TRAIN] * 4
+    # By default rollout takes back its home share (half the pool, no step yet measured): one device.
     moves = ElasticPolicy().plan(_snap(roles, live=8, queued=0, cap=4, step_s=900.0))
-    assert sorted(m.device_id for m in moves) == ["d03", "d04", "d05"]  # d02 stays: min_train_devices
-    assert ElasticPolicy(spread_idle=False).plan(_snap(roles, live=8, cap=4, step_s=900.0)) == []
+    assert [(m.device_id, m.to_role) for m in moves] == [("d05", Role.ROLLOUT)]
+    # Spreading on: one engine per live execution, but the trainer keeps min_train_devices (d02).
+    moves = ElasticPolicy(spread_idle=True).plan(_snap(roles, live=8, queued=0, cap=4, step_s=900.0))
+    assert sorted(m.device_id for m in moves) == ["d03", "d04", "d05"]
     home = [Role.ROLLOUT] * 3 + [Role.TRAIN] * 3
     assert ElasticPolicy().plan(_snap(home, live=8, cap=4, step_s=0.0)) == []  # no step yet: stay at home
 
@@ -168,7 +171,7 @@ def test_elastic_hosts_every_queued_execution_before_the_home_split() -> None:
 
 def test_elastic_does_not_lend_when_a_training_step_is_shorter_than_the_role_changes() -> None:
     roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
-    # 20 role changes of 15 s = 300 s: a lend must be worth that much of the step.
+    # 2 role changes of 15 s = 30 s (the lent device's round trip): a lend must be worth more of the step.
     short = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=30.0, work_device_s=20.0)
     long = _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=600.0, work_device_s=1e4)
     # Home 3 + 1: the trainer holds its home share, so lending more is optional and must pay.
@@ -181,34 +184,36 @@ def test_elastic_lends_in_a_step_whose_own_training_outlasts_the_role_changes_wh
 ):
     roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
     policy = ElasticPolicy(role_change_s=15.0, home_rollout_devices=3)
-    # The last step took 30 s, or none has ended yet, but this one has 1,000 s of training left on its
+    # The last step took 30 s, or none has ended yet, but this one has 100 s of training left on its
     # one device: the step in progress is long, so the two idle tail engines go to the trainer.
     for step_s in (0.0, 30.0):
         moves = policy.plan(
-            _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=step_s, work_device_s=1e3)
+            _snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=step_s, work_device_s=100.0)
         )
         assert [m.to_role for m in moves] == [Role.TRAIN] * 2
-    # 200 s left is less than 20 role changes: it stays.
+    # 25 s left is less than the round trip of two role changes: it stays.
     assert (
-        policy.plan(_snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=30.0, work_device_s=200.0)) == []
+        policy.plan(_snap(roles, live=1, cap=4, backlog=1, busy=True, step_s=30.0, work_device_s=25.0)) == []
     )
 
 
 def test_elastic_returns_borrowed_devices_to_a_trainer_below_its_home_share_before_any_step() -> None:
     # Home 2 + 2; the trainer got work while rollout still holds 3 (it spread over the idle trainer).
-    # Its cadence is unknown (no step yet) or short, so no optional move pays; with 100 s of training
+    # With the cost rule's factor at 20 (an operator's setting; at the default 2 the training that
+    # strands the trainer also pays for a lend) and its cadence unknown (no step yet) or short, no
+    # optional move pays; with 100 s of training
     # measured (more than two role changes of 15 s) the one borrowed device still goes back, and only
     # that one (rollout keeps 2 although 1 live execution needs just 1).
     for step_s in (0.0, 30.0):
         roles = [Role.ROLLOUT] * 3 + [Role.TRAIN]
-        moves = ElasticPolicy(role_change_s=15.0).plan(
+        moves = ElasticPolicy(role_change_s=15.0, min_step_over_switch=20.0).plan(
             _snap(roles, live=1, backlog=1, busy=True, step_s=step_s, work_device_s=100.0)
         )
         assert moves == [Reassignment("d02", Role.TRAIN, moves[0].reason)]
     # At its home share already: nothing moves on a short cadence.
     home = [Role.ROLLOUT] * 2 + [Role.TRAIN] * 2
     assert (
-        ElasticPolicy(role_change_s=15.0).plan(
+        ElasticPolicy(role_change_s=15.0, min_step_over_switch=20.0).plan(
             _snap(home, live=1, backlog=1, busy=True, step_s=30.0, work_device_s=100.0)
         )
         == []
@@ -219,12 +224,16 @@ def test_elastic_gives_a_stranded_trainer_its_home_share_when_its_work_outlasts_
     import dataclasses
 
     snap = _snap([Role.ROLLOUT] * 3, live=0, cap=4, backlog=1, busy=True, step_s=1.0, work_device_s=100.0)
-    # A short cadence: no lend pays, so the trainer gets its home share (3 - 3 // 2 = 2), not the
-    # whole idle rollout: a device it would not use stays where the next batch needs it.
-    assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(snap)] == [Role.TRAIN] * 2
+    # At the default cost rule, 100 s of training outlasts the round trip: every idle engine is lent.
+    assert len(ElasticPolicy(role_change_s=15.0).plan(snap)) == 3
+    # With the factor at 20 (an operator's setting) on a short cadence no lend pays, so the trainer
+    # gets its home share (3 - 3 // 2 = 2), not the whole idle rollout: a device it would not use
+    # stays where the next batch needs it.
+    strict = ElasticPolicy(role_change_s=15.0, min_step_over_switch=20.0)
+    assert [m.to_role for m in strict.plan(snap)] == [Role.TRAIN] * 2
     # A home that leaves the trainer nothing (measured, or the operator's) still gives it one device.
     nothing = dataclasses.replace(snap, measured_home_rollout=3)
-    assert [m.to_role for m in ElasticPolicy(role_change_s=15.0).plan(nothing)] == [Role.TRAIN]
+    assert [m.to_role for m in strict.plan(nothing)] == [Role.TRAIN]
     # Training shorter than two role changes (20 s < 30 s), or not measured yet (0: the live trainer
     # before its first micro-batch): one device, the rest stays with rollout ...
     for work in (20.0, 0.0):
@@ -243,23 +252,26 @@ def test_after_its_first_step_an_unmeasured_trainer_keeps_what_it_holds_and_gets
     import dataclasses
 
     # The live quickstart: after step 1 the trainer (1 device) has work, rollout idles between batches.
+    # (The cost rule's factor at 20, so that 0.1 s of training is no lend at 0.02-s role changes.)
+    policy = ElasticPolicy(role_change_s=0.02, min_step_over_switch=20.0)
     one = dataclasses.replace(
         _snap([Role.ROLLOUT] * 3 + [Role.TRAIN], live=0, backlog=1, busy=True, step_s=3.0, work_device_s=0.1),
         latest_version=1,
     )
-    assert ElasticPolicy(role_change_s=0.02).plan(one) == []  # before step 1 it would get half the pool
+    assert policy.plan(one) == []  # before step 1 it would get half the pool
     two = dataclasses.replace(one, devices=one.devices[:2] + tuple(dataclasses.replace(d, role=Role.TRAIN) for d in one.devices[2:3]) + one.devices[3:])  # fmt: skip
-    assert two.count(Role.TRAIN) == 2 and ElasticPolicy(role_change_s=0.02).plan(two) == []
+    assert two.count(Role.TRAIN) == 2 and policy.plan(two) == []
     # once the meter has measured a home, it rules
     measured = dataclasses.replace(one, measured_home_rollout=2)
-    assert [m.to_role for m in ElasticPolicy(role_change_s=0.02).plan(measured)] == [Role.TRAIN]
+    assert [m.to_role for m in policy.plan(measured)] == [Role.TRAIN]
     # ... for a step whose training outlasts two role changes (0.1 s > 0.04 s), not for a shorter one
     brief = dataclasses.replace(measured, trainer_remaining_work_device_s=0.03)
-    assert ElasticPolicy(role_change_s=0.02).plan(brief) == []
+    assert policy.plan(brief) == []
 
 
 def test_elastic_takes_devices_back_when_new_batch_is_admitted() -> None:
-    snap = _snap([Role.ROLLOUT] + [Role.TRAIN] * 3, live=8, queued=8, cap=4, step_s=900.0)
+    # 12 queued executions on engines of 4 need 3 devices; the trainer keeps its last one.
+    snap = _snap([Role.ROLLOUT] + [Role.TRAIN] * 3, live=12, queued=12, cap=4, step_s=900.0)
     moves = ElasticPolicy().plan(snap)
     assert len(moves) == 2 and all(m.to_role == Role.ROLLOUT for m in moves)
 
@@ -311,11 +323,12 @@ def test_elastic_moves_devices_both_ways_when_rollout_and_training_alternate() -
     phase(backlog=1, busy=True, step_s=1.0, work_device_s=0.5)  # its step runs: all of rollout
     assert roles == [Role.TRAIN] * 4
     for _ in range(2):
-        phase(live=32, queued=32, step_s=1.0)  # the next batch: spread over all but one trainer device
-        assert roles == [Role.TRAIN] + [Role.ROLLOUT] * 3
-        phase(backlog=1, busy=True, step_s=1.0)  # a batch waits, its step not started: the trainer keeps 1
-        assert roles == [Role.TRAIN] + [Role.ROLLOUT] * 3
+        phase(live=32, queued=32, step_s=1.0)  # the next batch: rollout takes back its home share (half)
+        assert roles == [Role.TRAIN] * 2 + [Role.ROLLOUT] * 2
+        phase(backlog=1, busy=True, step_s=1.0)  # a batch waits, its step not started: nothing more
+        assert roles == [Role.TRAIN] * 2 + [Role.ROLLOUT] * 2
         phase(backlog=1, busy=True, step_s=1.0, work_device_s=0.5)  # its step runs: all of rollout
         assert roles == [Role.TRAIN] * 4
-    assert history["d03"] == [Role.ROLLOUT, Role.TRAIN, Role.ROLLOUT, Role.TRAIN, Role.ROLLOUT, Role.TRAIN]
-    assert history["d00"] == [Role.ROLLOUT, Role.TRAIN]  # the trainer's last device never leaves it
+    for lent in ("d02", "d03"):
+        assert history[lent] == [Role.ROLLOUT, Role.TRAIN, Role.ROLLOUT, Role.TRAIN, Role.ROLLOUT, Role.TRAIN]
+    assert history["d00"] == history["d01"] == [Role.ROLLOUT, Role.TRAIN]  # the trainer's home share stays
