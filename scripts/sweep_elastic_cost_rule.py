@@ -1,12 +1,14 @@
 """Sweep Elastic's cost rule (`min_step_over_switch`) over the shipped workloads in the simulator.
 
     .venv/bin/python scripts/sweep_elastic_cost_rule.py [--factors 20,5,3,2.5,2,1.5,1] [--seeds 5]
-        [--spread-idle] [--workloads xlong,examples/workloads/light_tail.yaml,...] [--cache DIR] > rows.jsonl
+        [--spread-idle] [--pack-tail] [--workloads xlong,examples/workloads/light_tail.yaml,...]
+        [--cache DIR] > rows.jsonl
 
 The factor is the number of role changes a trainer step (or the training left in the step in
 progress) must outlast before Elastic makes an optional move (lending tail engines to the trainer,
-and with `--spread-idle` spreading rollout over an idle trainer's devices, which the shipped
-policy does not do). Per workload and seed this prints one JSON line: the best
+with `--spread-idle` spreading rollout over an idle trainer's devices, and with `--pack-tail`
+consolidating the tail's executions onto fewer engines to lend more; the shipped policy does
+neither). Per workload and seed this prints one JSON line: the best
 swept fixed split (as `gyre sim` finds it) and, per factor, Elastic's speedup over it per windowed
 step (`kF`), by makespan (`kF_mk`) and over Async at half the pool (`kF_half`). The sweep of fixed
 splits does not depend on the factor, so `--cache` keeps it per workload and seed.
@@ -62,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--spread-idle", action="store_true", help="Elastic spreads rollout over an idle trainer's devices"
     )
+    p.add_argument(
+        "--pack-tail", action="store_true", help="Elastic packs the tail's executions to lend more"
+    )
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--workloads", help="comma-separated built-in names or YAML files (default: all shipped)")
     p.add_argument("--cache", type=Path, help="directory keeping each workload-seed's fixed-split sweep")
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                     role_change_s=w.costs.elastic_role_change_s,
                     min_step_over_switch=f,
                     spread_idle=args.spread_idle,
+                    pack_tail=args.pack_tail,
                 )
                 r = simulate(w, policy)
                 row[f"k{f:g}"] = round(base["time_per_step_s"] / r.time_per_step_s, 4)

@@ -235,7 +235,9 @@ class ElasticPolicy(Policy):
       a live execution does not need, one engine per execution, emptiest engines first (fewest
       resident executions, then fewest context tokens, from the rollout's per-engine load reports;
       ties by device ID, highest first), so an empty engine is lent before one whose executions
-      would have to be live-migrated. It never packs executions to lend more.
+      would have to be live-migrated. It does not pack executions to lend more unless `pack_tail`
+      is set (off by default: consolidating the tail slowed its slowest executions more than the
+      lent devices sped the trainer, docs/scheduler.md).
     - A move must pay for itself: optional moves (lending, and spreading when on) happen only when the
       trainer's step cadence (`trainer_step_s`, or the step in progress: at least the training it
       still has, `trainer_time_left_s`) exceeds `min_step_over_switch` role changes (`role_change_s`;
@@ -266,6 +268,7 @@ class ElasticPolicy(Policy):
         role_change_s: float = 15.0,
         min_step_over_switch: float = 2.0,
         spread_idle: bool = False,
+        pack_tail: bool = False,
     ) -> None:
         super().__init__(staleness_bound)
         if role_change_s < 0 or min_step_over_switch < 0:
@@ -275,6 +278,7 @@ class ElasticPolicy(Policy):
         self.role_change_s = role_change_s
         self.min_step_over_switch = min_step_over_switch
         self.spread_idle = spread_idle
+        self.pack_tail = pack_tail
 
     def target_rollout(self, snapshot: PoolSnapshot) -> int:
         """How many devices should serve rollout now (see the class docstring)."""
@@ -293,7 +297,12 @@ class ElasticPolicy(Policy):
         if snapshot.trainer_backlog < 2:
             # Training is not critical (no later batch waits for it): keep what rollout holds.
             home = max(home, snapshot.count(Role.ROLLOUT))
-        return max(must, min(live, home, ceiling))
+        target = max(must, min(live, home, ceiling))
+        if self.pack_tail and snapshot.trainer_wants_devices and self._lend_pays(snapshot):
+            # Consolidate the tail onto as few engines as its executions fill (live-migrating the
+            # rest) so that more devices go to the trainer. Off by default: it lost (docs/scheduler.md).
+            return min(target, max(1, must))
+        return target
 
     def _moves_pay(self, snapshot: PoolSnapshot) -> bool:
         """Steps long enough that a round trip of role changes is small against them: the last step's
@@ -302,6 +311,12 @@ class ElasticPolicy(Policy):
         counts from its own work; with neither known, no optional move)."""
         step_s = max(snapshot.trainer_step_s, snapshot.trainer_time_left_s)
         return step_s > self.min_step_over_switch * self.role_change_s
+
+    def _lend_pays(self, snapshot: PoolSnapshot) -> bool:
+        """A lend pays: the cadence is long against role changes and the training the trainer can
+        do now, at its current size, outlasts `min_step_over_switch` role changes."""
+        lasting = snapshot.trainer_time_left_s > self.min_step_over_switch * self.role_change_s
+        return lasting and self._moves_pay(snapshot)
 
     def home_rollout(self, snapshot: PoolSnapshot) -> int:
         """Rollout devices at the home split: the operator's `home_rollout_devices` when set, else the
@@ -337,8 +352,7 @@ class ElasticPolicy(Policy):
           trainer with work never waits for one. Never more on a short cadence, nor for a step too short to use them: a device the trainer
           would not use stays with rollout (its lease share follows its busy time)."""
         train = snapshot.count(Role.TRAIN)
-        pays = snapshot.trainer_time_left_s > self.min_step_over_switch * self.role_change_s
-        if self._moves_pay(snapshot) and pays:
+        if self._lend_pays(snapshot):
             return spare
         stranded = snapshot.trainer_time_left_s > 2 * self.role_change_s
         share = max(1, self.home_train_devices(snapshot)) if stranded else 1

@@ -123,6 +123,18 @@ def test_elastic_keeps_tail_engines_while_the_trainer_waits_for_scored_groups() 
         assert ElasticPolicy().plan(snap) == []
 
 
+def test_elastic_packs_the_tail_onto_fewer_engines_only_when_asked() -> None:
+    # Four tail executions, one per engine, and a trainer with 1,000 s of training on one device.
+    roles = [Role.ROLLOUT] * 4 + [Role.TRAIN]
+    engines = {0: (1, 100), 1: (1, 200), 2: (1, 300), 3: (1, 400)}
+    snap = _snap(roles, live=4, cap=4, backlog=1, busy=True, step_s=900.0, work_device_s=1e3, engines=engines)
+    assert ElasticPolicy().plan(snap) == []  # by default every execution keeps its engine
+    # Packing on: the four fit one engine of 4, so three engines go, the smallest contexts first
+    # (their executions are live-migrated), and the engine with the largest context stays.
+    moves = ElasticPolicy(pack_tail=True).plan(snap)
+    assert [(m.device_id, m.to_role) for m in moves] == [(f"d0{i}", Role.TRAIN) for i in range(3)]
+
+
 def test_elastic_never_plans_fewer_slots_than_live_executions() -> None:
     for live in range(0, 17):
         for busy in (False, True):
