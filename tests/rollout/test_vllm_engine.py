@@ -320,3 +320,20 @@ def test_the_rollout_config_names_the_moved_vllm_key_and_needs_a_model_to_serve(
         from services.rollout.engines.vllm_worker import path_in_store
 
         path_in_store("http://example.com/v1.safetensors", Path("/tmp"))
+
+
+def test_a_server_that_dies_while_starting_is_reported_with_the_end_of_its_log(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from services.rollout.engines.vllm_server import wait_healthy
+
+    log = tmp_path / "vllm-gpu-a.log"
+    log.write_text("x" * 5000 + "\nvllm serve: error: unrecognized arguments: --bogus\n")
+    dead = SimpleNamespace(returncode=2, log_path=log)
+    with pytest.raises(Unavailable) as err:
+        asyncio.run(wait_healthy("http://127.0.0.1:9", 5.0, dead))  # type: ignore[arg-type]
+    assert "exited with 2" in str(err.value) and "unrecognized arguments: --bogus" in str(err.value)
+    assert len(str(err.value)) < 2500  # the tail, not the whole log
+    gone = SimpleNamespace(returncode=1, log_path=tmp_path / "removed" / "vllm.log")
+    with pytest.raises(Unavailable, match="no log"):
+        asyncio.run(wait_healthy("http://127.0.0.1:9", 5.0, gone))  # type: ignore[arg-type]

@@ -93,6 +93,19 @@ class VLLMServerSpec:
         }
 
 
+def log_tail(path: Path, max_chars: int = 2000) -> str:
+    """The last `max_chars` characters of a server's log, or why there are none: a server that dies
+    while starting says why there, and the log's directory may be gone by the time anyone looks."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_chars))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+    return text.strip() or "(empty)"
+
+
 async def wait_healthy(url: str, timeout_s: float, proc: ProcessGroup | None = None) -> None:
     """Return once GET {url}/health answers 200; Unavailable if `proc` exits or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
@@ -100,7 +113,8 @@ async def wait_healthy(url: str, timeout_s: float, proc: ProcessGroup | None = N
         while True:
             if proc is not None and proc.returncode is not None:
                 raise Unavailable(
-                    f"vLLM server exited with {proc.returncode} while starting (log: {proc.log_path})"
+                    f"vLLM server exited with {proc.returncode} while starting (log: {proc.log_path}); "
+                    f"its log ends:\n{log_tail(proc.log_path)}"
                 )
             try:
                 if (await client.get(f"{url}/health")).status_code == 200:
