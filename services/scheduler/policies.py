@@ -313,10 +313,10 @@ class ElasticPolicy(Policy):
         return step_s > self.min_step_over_switch * self.role_change_s
 
     def _lend_pays(self, snapshot: PoolSnapshot) -> bool:
-        """A lend pays: the cadence is long against role changes and the training the trainer can
-        do now, at its current size, outlasts `min_step_over_switch` role changes."""
-        lasting = snapshot.trainer_time_left_s > self.min_step_over_switch * self.role_change_s
-        return lasting and self._moves_pay(snapshot)
+        """A lend pays: the training the trainer can do now, at its current size, outlasts
+        `min_step_over_switch` role changes (which also makes `_moves_pay` true: the step in
+        progress lasts at least that long)."""
+        return snapshot.trainer_time_left_s > self.min_step_over_switch * self.role_change_s
 
     def home_rollout(self, snapshot: PoolSnapshot) -> int:
         """Rollout devices at the home split: the operator's `home_rollout_devices` when set, else the
