@@ -1,5 +1,5 @@
-"""`gyre chaos [CONFIG] [--json] [--steps N] [--seed S] [--run-dir D] [--targets T,..] [--resume]`: kill
-anything, lose nothing.
+"""`gyre chaos [CONFIG] [--json] [--steps N] [--seed S] [--run-dir D] [--targets T,..] [--resume|--soak]`:
+kill anything, lose nothing.
 
 Runs one job of CONFIG (default: the quickstart) exactly as `gyre run` does — every service its own
 supervised process, embedded NATS and Postgres — and meanwhile, one fault at a time:
@@ -14,6 +14,12 @@ supervised process, embedded NATS and Postgres — and meanwhile, one fault at a
         wait until it is back (the supervisor restarted it, or the rollout re-admitted a fresh
         engine) and every service reports SERVING                                  -> recovery_s
         wait until the trainer publishes its next weight version                     -> progress_resumed_s
+
+`--soak [--kills N] [--stall-s T]` runs another scenario instead (app.chaos_soak): N kills (default
+50) of random targets at random instants (seeded: 0.5-8 s apart, one pair < 1 s apart, one kill of
+a service while it restarts, the trainer's kills aimed at a pull or a publish) over a run of
+max(20, N) steps, with the launcher's restart budget raised to N + 5; it reports stalls, the
+continuity of the weight versions, kills per target and the counters below.
 
 `--resume` runs another scenario instead (app.chaos_resume): every process of a `gyre run` killed at
 once mid-run, then `gyre run --resume` on the same run dir; the same counters, plus steps_continuous.
@@ -277,6 +283,19 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     parser.add_argument(
+        "--soak",
+        action="store_true",
+        help="instead of one fault per target: --kills random kills at random instants over a long run, "
+        "then check for stalls and losses (app/chaos_soak.py)",
+    )
+    parser.add_argument("--kills", type=int, default=50, help="--soak: how many kills (default 50)")
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        default=300.0,
+        help="--soak: no new weight version for this long ends the job as stalled (default 300)",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="instead of single faults: kill every process of a `gyre run` mid-run, then `gyre run --resume` "
@@ -300,7 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # stdout carries only the result: the job's progress lines go to stderr meanwhile.
         with contextlib.redirect_stdout(sys.stderr):
-            if args.resume:
+            if args.soak:
+                from app.chaos_soak import run_soak
+
+                result = run_soak(
+                    args.config,
+                    num_kills=args.kills,
+                    steps=args.steps,
+                    seed=args.seed,
+                    run_dir=run_dir,
+                    stall_s=args.stall_s,
+                )
+            elif args.resume:
                 result = run_resume(args.config, steps=args.steps, seed=args.seed, run_dir=run_dir)
             else:
                 result = run_chaos(
@@ -311,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps(result, indent=2))
+    elif args.soak:
+        from app.chaos_soak import print_soak
+
+        print_soak(result)
     elif args.resume:
         keys = ("completed", "step_at_kill", "final_step", "steps_continuous", "processes_killed")
         live = ("executions_live_at_kill", "executions_resumed", "executions_restarted")

@@ -113,7 +113,7 @@ async def steps_stream_leader(deployment: Any) -> str:
     return str(info.cluster.leader)
 
 
-def _kill(deployment: Any, target: str) -> None:
+def kill_target(deployment: Any, target: str) -> None:
     if target in ("nats", "postgres"):
         server = deployment.embedded(target)
         if server is None or getattr(server, "pid", None) is None:
@@ -130,7 +130,7 @@ def _kill(deployment: Any, target: str) -> None:
     os.kill(proc.pid, signal.SIGKILL)
 
 
-async def _until(predicate: Any, deadline_unix_s: float, poll_s: float) -> bool:
+async def until(predicate: Any, deadline_unix_s: float, poll_s: float) -> bool:
     """Poll `predicate()` (sync or async) until it is true (True) or the deadline passed (False)."""
     while True:
         value = predicate()
@@ -143,7 +143,7 @@ async def _until(predicate: Any, deadline_unix_s: float, poll_s: float) -> bool:
         await asyncio.sleep(poll_s)
 
 
-async def _inject_engine_fault(deployment: Any, fault: Fault) -> Any:
+async def inject_engine_fault(deployment: Any, fault: Fault) -> Any:
     """Wait for a torch engine holding requests, SIGUSR2 the rollout; returns its status before."""
     proc = deployment.process("rollout")
     if proc is None or proc.returncode is not None:
@@ -154,7 +154,7 @@ async def _inject_engine_fault(deployment: Any, fault: Fault) -> Any:
         before[:] = [await rollout_status(deployment)]
         return any(e.running > 0 for e in before[0].engines)
 
-    await _until(busy, time.time() + LIVE_WAIT_S, 0.1)
+    await until(busy, time.time() + LIVE_WAIT_S, 0.1)
     fault.detail["rollout_pid"] = proc.pid
     fault.detail["engines_before"] = {e.engine_id: e.running for e in before[0].engines}
     fault.injected_at = time.time()
@@ -162,7 +162,7 @@ async def _inject_engine_fault(deployment: Any, fault: Fault) -> Any:
     return before[0]
 
 
-async def _engine_recovered(deployment: Any, fault: Fault, before: Any) -> bool:
+async def engine_recovered(deployment: Any, fault: Fault, before: Any) -> bool:
     """One more engine restart admitted, every engine serving, and the rollout the same process."""
     proc = deployment.process("rollout")
     if proc is None or proc.pid != fault.detail["rollout_pid"] or proc.returncode is not None:
@@ -189,16 +189,16 @@ async def inject(deployment: Any, tracker: Any, faults: list[Fault]) -> None:
     """Inject `faults` one after the other (module docstring); never raises, errors are recorded."""
     for fault in faults:
         try:
-            await _until(lambda f=fault: tracker.version >= f.at_step, math.inf, 0.2)
+            await until(lambda f=fault: tracker.version >= f.at_step, math.inf, 0.2)
             await asyncio.sleep(fault.delay_s)
             if fault.target in ("rollout", "engine"):
                 live = lambda: tracker.executions["started"] > tracker.executions["ended"]  # noqa: E731
-                await _until(live, time.time() + LIVE_WAIT_S, 0.1)
+                await until(live, time.time() + LIVE_WAIT_S, 0.1)
             fault.step_at_kill = tracker.version
             before: Any = None
             expect = fault.target
             if fault.target == "engine":
-                before = await _inject_engine_fault(deployment, fault)
+                before = await inject_engine_fault(deployment, fault)
             elif fault.target == "nats-node":
                 cluster = deployment.embedded("nats")
                 if not hasattr(cluster, "nodes"):
@@ -214,20 +214,20 @@ async def inject(deployment: Any, tracker: Any, faults: list[Fault]) -> None:
                 fault.injected_at = time.time()
                 os.killpg(cluster.nodes[index].pid, signal.SIGKILL)
             else:
-                _kill(deployment, fault.target)
+                kill_target(deployment, fault.target)
                 fault.injected_at = time.time()  # once SIGKILL was sent: nothing it ends after is ours
             deadline = fault.injected_at + RECOVERY_TIMEOUT_S
 
             async def back(f: Fault = fault, name: str = expect, status: Any = before) -> bool:
                 if f.target == "engine":
-                    return await _engine_recovered(deployment, f, status)
+                    return await engine_recovered(deployment, f, status)
                 restarted = any(
                     r.service == name and r.serving_at and r.exited_at >= f.injected_at - 1.0
                     for r in deployment.restarts
                 )
                 return restarted and await asyncio.to_thread(_all_serving, deployment)
 
-            if await _until(back, deadline, 0.2):
+            if await until(back, deadline, 0.2):
                 fault.recovered = True
                 fault.recovery_s = round(time.time() - fault.injected_at, 2)
             fault.restarts = [
@@ -236,7 +236,7 @@ async def inject(deployment: Any, tracker: Any, faults: list[Fault]) -> None:
             if not fault.recovered:
                 fault.error = f"not recovered within {RECOVERY_TIMEOUT_S:.0f} s"
                 continue
-            if await _until(lambda f=fault: tracker.version >= f.step_at_kill + 1, deadline, 0.2):
+            if await until(lambda f=fault: tracker.version >= f.step_at_kill + 1, deadline, 0.2):
                 fault.progress_resumed_s = round(time.time() - fault.injected_at, 2)
         except Exception as exc:  # recorded and reported; the next fault still runs
             fault.error = repr(exc)
@@ -252,7 +252,7 @@ async def replicas_caught_up(deployment: Any, timeout_s: float = 60.0) -> dict[s
         counts[:] = [cluster.stored_on(i, STEPS_STREAM) for i in range(len(cluster.nodes))]
         return None not in counts and len(set(counts)) == 1
 
-    ok = await _until(lambda: asyncio.to_thread(agree), time.time() + timeout_s, 0.5)
+    ok = await until(lambda: asyncio.to_thread(agree), time.time() + timeout_s, 0.5)
     return {"nats_steps_stored_per_node": list(counts), "nats_replicas_agree": ok}
 
 
@@ -260,8 +260,12 @@ __all__ = [
     "DEFAULT_TARGETS",
     "TARGETS",
     "Fault",
+    "engine_recovered",
     "inject",
+    "inject_engine_fault",
+    "kill_target",
     "plan_faults",
     "replicas_caught_up",
     "rollout_status",
+    "until",
 ]
