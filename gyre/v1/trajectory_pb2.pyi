@@ -24,7 +24,7 @@ class IngestSummary(_message.Message):
     def __init__(self, num_received: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_rejected: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., num_waiting: _Optional[int] = ...) -> None: ...
 
 class PullBatchRequest(_message.Message):
-    __slots__ = ("run_id", "max_tokens", "wait_s", "resume_batch_id", "consumer", "current_version", "stream_part", "step_tokens")
+    __slots__ = ("run_id", "max_tokens", "wait_s", "resume_batch_id", "consumer", "current_version", "stream_part", "step_tokens", "confirm_receipt")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class PullBatchRequest(_message.Message):
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STREAM_PART_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_RECEIPT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     max_tokens: int
     wait_s: float
@@ -41,10 +42,11 @@ class PullBatchRequest(_message.Message):
     current_version: int
     stream_part: bool
     step_tokens: int
-    def __init__(self, run_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., wait_s: _Optional[float] = ..., resume_batch_id: _Optional[str] = ..., consumer: _Optional[str] = ..., current_version: _Optional[int] = ..., stream_part: _Optional[bool] = ..., step_tokens: _Optional[int] = ...) -> None: ...
+    confirm_receipt: bool
+    def __init__(self, run_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., wait_s: _Optional[float] = ..., resume_batch_id: _Optional[str] = ..., consumer: _Optional[str] = ..., current_version: _Optional[int] = ..., stream_part: _Optional[bool] = ..., step_tokens: _Optional[int] = ..., confirm_receipt: _Optional[bool] = ...) -> None: ...
 
 class BatchChunk(_message.Message):
-    __slots__ = ("batch_id", "chunk_index", "last", "token_ids", "position_ids", "node_offsets", "node_lengths", "node_parents", "loss_mask", "weight_pos", "weight_neg", "kl_weight", "behaviour_logprobs", "policy_versions", "num_paths", "num_flat_tokens", "group_ids", "reward_sum", "num_partial_paths", "normaliser")
+    __slots__ = ("batch_id", "chunk_index", "last", "token_ids", "position_ids", "node_offsets", "node_lengths", "node_parents", "loss_mask", "weight_pos", "weight_neg", "kl_weight", "behaviour_logprobs", "policy_versions", "num_paths", "num_flat_tokens", "group_ids", "reward_sum", "num_partial_paths", "normaliser", "tree_index", "first_node", "first_token", "tree_continues")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +67,10 @@ class BatchChunk(_message.Message):
     REWARD_SUM_FIELD_NUMBER: _ClassVar[int]
     NUM_PARTIAL_PATHS_FIELD_NUMBER: _ClassVar[int]
     NORMALISER_FIELD_NUMBER: _ClassVar[int]
+    TREE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_NODE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TREE_CONTINUES_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     chunk_index: int
     last: bool
@@ -85,17 +91,23 @@ class BatchChunk(_message.Message):
     reward_sum: float
     num_partial_paths: int
     normaliser: float
-    def __init__(self, batch_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., position_ids: _Optional[_Iterable[int]] = ..., node_offsets: _Optional[_Iterable[int]] = ..., node_lengths: _Optional[_Iterable[int]] = ..., node_parents: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., weight_pos: _Optional[_Iterable[float]] = ..., weight_neg: _Optional[_Iterable[float]] = ..., kl_weight: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., num_paths: _Optional[int] = ..., num_flat_tokens: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., reward_sum: _Optional[float] = ..., num_partial_paths: _Optional[int] = ..., normaliser: _Optional[float] = ...) -> None: ...
+    tree_index: int
+    first_node: int
+    first_token: int
+    tree_continues: bool
+    def __init__(self, batch_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., last: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., position_ids: _Optional[_Iterable[int]] = ..., node_offsets: _Optional[_Iterable[int]] = ..., node_lengths: _Optional[_Iterable[int]] = ..., node_parents: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., weight_pos: _Optional[_Iterable[float]] = ..., weight_neg: _Optional[_Iterable[float]] = ..., kl_weight: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., num_paths: _Optional[int] = ..., num_flat_tokens: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., reward_sum: _Optional[float] = ..., num_partial_paths: _Optional[int] = ..., normaliser: _Optional[float] = ..., tree_index: _Optional[int] = ..., first_node: _Optional[int] = ..., first_token: _Optional[int] = ..., tree_continues: _Optional[bool] = ...) -> None: ...
 
 class AckBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "consumer", "trained_at_version")
+    __slots__ = ("batch_id", "consumer", "trained_at_version", "received")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     TRAINED_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     consumer: str
     trained_at_version: int
-    def __init__(self, batch_id: _Optional[str] = ..., consumer: _Optional[str] = ..., trained_at_version: _Optional[int] = ...) -> None: ...
+    received: bool
+    def __init__(self, batch_id: _Optional[str] = ..., consumer: _Optional[str] = ..., trained_at_version: _Optional[int] = ..., received: _Optional[bool] = ...) -> None: ...
 
 class AckBatchResponse(_message.Message):
     __slots__ = ()
@@ -157,7 +169,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, values: _Optional[_Mapping[str, float]] = ..., stats: _Optional[_Union[TrajectoryStats, _Mapping]] = ...) -> None: ...
 
 class TrajectoryStats(_message.Message):
-    __slots__ = ("tree_tokens", "tree_nodes", "executions", "groups_open", "groups_scored", "groups_batched", "groups_dropped_stale", "groups_rejected", "groups_empty", "stored_calls", "stored_nodes", "rejections", "dedup_records", "batches_ready", "batches_delivered", "batches_acked", "latest_weights_version")
+    __slots__ = ("tree_tokens", "tree_nodes", "executions", "groups_open", "groups_scored", "groups_batched", "groups_dropped_stale", "groups_rejected", "groups_empty", "stored_calls", "stored_nodes", "rejections", "dedup_records", "batches_ready", "batches_delivered", "batches_acked", "latest_weights_version", "batches_quarantined")
     TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +187,7 @@ class TrajectoryStats(_message.Message):
     BATCHES_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     BATCHES_ACKED_FIELD_NUMBER: _ClassVar[int]
     LATEST_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     tree_tokens: int
     tree_nodes: int
     executions: int
@@ -192,4 +205,5 @@ class TrajectoryStats(_message.Message):
     batches_delivered: int
     batches_acked: int
     latest_weights_version: int
-    def __init__(self, tree_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., executions: _Optional[int] = ..., groups_open: _Optional[int] = ..., groups_scored: _Optional[int] = ..., groups_batched: _Optional[int] = ..., groups_dropped_stale: _Optional[int] = ..., groups_rejected: _Optional[int] = ..., groups_empty: _Optional[int] = ..., stored_calls: _Optional[int] = ..., stored_nodes: _Optional[int] = ..., rejections: _Optional[int] = ..., dedup_records: _Optional[int] = ..., batches_ready: _Optional[int] = ..., batches_delivered: _Optional[int] = ..., batches_acked: _Optional[int] = ..., latest_weights_version: _Optional[int] = ...) -> None: ...
+    batches_quarantined: int
+    def __init__(self, tree_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., executions: _Optional[int] = ..., groups_open: _Optional[int] = ..., groups_scored: _Optional[int] = ..., groups_batched: _Optional[int] = ..., groups_dropped_stale: _Optional[int] = ..., groups_rejected: _Optional[int] = ..., groups_empty: _Optional[int] = ..., stored_calls: _Optional[int] = ..., stored_nodes: _Optional[int] = ..., rejections: _Optional[int] = ..., dedup_records: _Optional[int] = ..., batches_ready: _Optional[int] = ..., batches_delivered: _Optional[int] = ..., batches_acked: _Optional[int] = ..., latest_weights_version: _Optional[int] = ..., batches_quarantined: _Optional[int] = ...) -> None: ...

@@ -74,16 +74,20 @@ class TrajectoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullBatch(self, request, context):
-        """Trainer -> Trajectory: stream the next tree-packed batch(es). A path is handed out at most
-        once: the batch is marked delivered in Postgres before its first chunk is sent, and a
-        trainer that fails re-pulls by batch_id with `resume_batch_id`.
+        """Trainer -> Trajectory: stream the next tree-packed batch as chunks of at most
+        `trajectory.max_chunk_bytes` each (a tree larger than that spans several chunks). With
+        `confirm_receipt` the batch is marked delivered in Postgres only when the trainer acks that it
+        holds every chunk (AckBatch with `received`); a stream that breaks before then leaves the batch
+        ready, and the next pull hands it out again (same batch_id, same chunks). A trainer that
+        restarts re-pulls a batch it journaled with `resume_batch_id`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AckBatch(self, request, context):
-        """Trainer -> Trajectory: the batch was trained (or will never be): bookkeeping only.
+        """Trainer -> Trajectory: the trainer holds the whole batch (`received`), or trained it (or will
+        never train it): bookkeeping only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

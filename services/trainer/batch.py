@@ -1,7 +1,8 @@
 """`PackedBatch`: the trainer's view of a tree-packed batch (one or more BatchChunk messages).
 
-Chunks hold whole trees and their node indices are chunk-local; `from_chunks` concatenates them
-into one sequence (offsets and parents shifted), validating every array. `micro_batches` cuts a batch
+A tree arrives in one or more chunks (proto BatchChunk: node parents are tree node indices, a chunk
+with first_node 0 starts a tree); `from_chunks` concatenates them into one sequence (offsets and
+parents shifted), validating every array. `micro_batches` cuts a batch
 into micro-batches of whole trees, splitting a tree larger than the budget into parts with recomputed
 context (services/trainer/split_trees.py); `split` cuts a micro-batch into data-parallel shards at
 tree boundaries, balancing tokens. The loss is a *sum* over tokens, so
@@ -171,67 +172,89 @@ class PackedBatch:
         return [self.select_trees(sorted(s)) for s in shards]
 
 
+_DTYPES = {
+    "token_ids": torch.long,
+    "position_ids": torch.long,
+    "loss_mask": torch.bool,
+    "weight_pos": torch.float32,
+    "weight_neg": torch.float32,
+    "kl_weight": torch.float32,
+    "behaviour_logprobs": torch.float32,
+    "policy_versions": torch.long,
+}
+
+
 def from_chunks(chunks: Sequence[trajectory_pb2.BatchChunk]) -> PackedBatch:
-    """Concatenate the chunks of one batch; InvalidArgument on ragged or non-finite arrays."""
+    """Concatenate the chunks of one batch; InvalidArgument on ragged, out-of-order or non-finite arrays.
+
+    A chunk with ``first_node`` 0 starts a tree; one with ``first_node`` > 0 continues the previous
+    chunk's tree (its ``node_parents`` are tree node indices), so a tree streamed in pieces is
+    rebuilt as one."""
     if not chunks:
         raise InvalidArgument("a batch needs at least one chunk")
     batch_id = chunks[0].batch_id
-    cols: dict[str, list] = {name: [] for name in _PER_TOKEN}
+    cols: dict[str, list[torch.Tensor]] = {name: [] for name in _PER_TOKEN}
     offsets: list[int] = []
     lengths: list[int] = []
     parents: list[int] = []
-    num_paths = num_flat = 0
+    num_paths = num_flat = num_tokens = 0
     reward = 0.0
     groups: list[str] = []
     normaliser = chunks[0].normaliser
+    tree_base = 0  # batch node index of the current tree's root
+    continues = False
     for c in chunks:
+        where = f"batch {batch_id} chunk {c.chunk_index}"
         if c.batch_id != batch_id:
             raise InvalidArgument(f"chunk of batch {c.batch_id!r} inside batch {batch_id!r}")
         if c.normaliser != normaliser or not (math.isfinite(normaliser) and normaliser >= 0):
             raise InvalidArgument(
-                f"batch {batch_id} chunk {c.chunk_index}: normaliser {c.normaliser} (chunk 0 has {normaliser}; "
+                f"{where}: normaliser {c.normaliser} (chunk 0 has {normaliser}; "
                 "it must be one finite value >= 0 per batch)"
             )
+        if c.first_node == 0:
+            if continues:
+                raise InvalidArgument(f"{where}: starts a tree while the previous tree continues")
+            tree_base = len(offsets)
+        elif not continues or c.first_node != len(offsets) - tree_base:
+            raise InvalidArgument(
+                f"{where}: continues a tree at node {c.first_node}, but the tree so far has "
+                f"{len(offsets) - tree_base} nodes"
+            )
+        continues = c.tree_continues
         n = len(c.token_ids)
         for name in _PER_TOKEN:
-            arr = list(getattr(c, name))
+            arr = getattr(c, name)
             if len(arr) != n:
-                raise InvalidArgument(
-                    f"batch {batch_id} chunk {c.chunk_index}: {name} has {len(arr)} values for {n} tokens"
-                )
-            if name in ("weight_pos", "weight_neg", "kl_weight", "behaviour_logprobs") and not all(
-                math.isfinite(x) for x in arr
-            ):
-                raise InvalidArgument(f"batch {batch_id} chunk {c.chunk_index}: {name} holds NaN or infinity")
-            cols[name].extend(arr)
+                raise InvalidArgument(f"{where}: {name} has {len(arr)} values for {n} tokens")
+            t = torch.tensor(list(arr), dtype=_DTYPES[name])
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise InvalidArgument(f"{where}: {name} holds NaN or infinity")
+            cols[name].append(t)
         if not len(c.node_offsets) == len(c.node_lengths) == len(c.node_parents):
-            raise InvalidArgument(f"batch {batch_id} chunk {c.chunk_index}: node arrays differ in length")
-        base_tok, base_node = len(cols["token_ids"]) - n, len(offsets)
-        offsets.extend(o + base_tok for o in c.node_offsets)
+            raise InvalidArgument(f"{where}: node arrays differ in length")
+        offsets.extend(o + num_tokens for o in c.node_offsets)
         lengths.extend(c.node_lengths)
-        parents.extend(p + base_node if p >= 0 else -1 for p in c.node_parents)
+        parents.extend(p + tree_base if p >= 0 else -1 for p in c.node_parents)
+        num_tokens += n
         num_paths += c.num_paths
         num_flat += c.num_flat_tokens
         reward += c.reward_sum
         groups.extend(c.group_ids)
+    if continues:
+        raise InvalidArgument(f"batch {batch_id}: its last tree continues past the last chunk")
+    fields = {name: torch.cat(cols[name]) for name in _PER_TOKEN}
     return PackedBatch(
         batch_id,
-        token_ids=torch.tensor(cols["token_ids"], dtype=torch.long),
-        position_ids=torch.tensor(cols["position_ids"], dtype=torch.long),
         node_offsets=offsets,
         node_lengths=lengths,
         node_parents=parents,
-        loss_mask=torch.tensor(cols["loss_mask"], dtype=torch.bool),
-        weight_pos=torch.tensor(cols["weight_pos"], dtype=torch.float32),
-        weight_neg=torch.tensor(cols["weight_neg"], dtype=torch.float32),
-        kl_weight=torch.tensor(cols["kl_weight"], dtype=torch.float32),
-        behaviour_logprobs=torch.tensor(cols["behaviour_logprobs"], dtype=torch.float32),
-        policy_versions=torch.tensor(cols["policy_versions"], dtype=torch.long),
         num_paths=num_paths,
         num_flat_tokens=num_flat,
         reward_sum=reward,
         group_ids=groups,
         normaliser=normaliser,
+        **fields,
     )
 
 

@@ -6,7 +6,12 @@ tree structure, policy versions not ahead of the trainer's own). A batch that fa
 its id and reason are appended to ``run_dir/trainer/quarantine.jsonl``, it is acked to the
 trajectory service as dropped (``trained_at_version = -1``), counted and logged once, and
 `pull` returns None as if nothing was ready — training goes on with the next batch. A quarantined
-id is never pulled again, so a restart that replays its journal cannot replay it into a crash.
+id is never pulled again, so a restart that replays its journal cannot replay it into a crash. A
+stream that fails for good after some chunks came is a bad batch too (quarantined, not fatal).
+
+Receipts: the trainer pulls with ``confirm_receipt`` and, once the loop journaled the batch, sends
+`confirm_received` (AckBatch ``received``); only then does the trajectory service mark the batch
+delivered, so a trainer killed mid-stream gets the batch again and trains it once.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from services.trainer.batch import PackedBatch, from_chunks
 log = logging.getLogger("gyre.trainer.data")
 
 QUARANTINED = Counter("gyre_trainer_batches_quarantined_total", "Batches the trainer refused to train")
+BAD_PULLS = Counter("gyre_trainer_pulls_refused_total", "PullBatch calls refused with RESOURCE_EXHAUSTED")
 # trained_at_version of an AckBatch that drops the batch (trajectory.proto).
 DROPPED = -1
 # Seconds a PullBatch is retried while the trajectory service is unavailable (e.g. being restarted);
@@ -91,7 +97,8 @@ def check_trainable(batch: PackedBatch, vocab_size: int | None, current_version:
 
 
 class TrajectoryBatchSource:
-    """Trajectory -> Trainer over gRPC: `PullBatch` (server stream of chunks of whole trees), `AckBatch`.
+    """Trajectory -> Trainer over gRPC: `PullBatch` (server stream of a batch's chunks, a large tree in
+    several), `AckBatch` (receipt, then trained or dropped).
 
     `vocab_size` (the model's) and `quarantine_path` turn on the checks and the persistent
     quarantine of the module docstring; without a path the quarantine lasts for this process."""
@@ -139,6 +146,7 @@ class TrajectoryBatchSource:
             resume_batch_id=resume_batch_id,
             consumer=self.consumer,
             current_version=current_version,
+            confirm_receipt=True,
         )
         return await self._pull(req)
 
@@ -154,6 +162,7 @@ class TrajectoryBatchSource:
             current_version=current_version,
             stream_part=True,
             step_tokens=step_tokens,
+            confirm_receipt=True,
         )
         return await self._pull(req)
 
@@ -178,6 +187,14 @@ class TrajectoryBatchSource:
                     log.warning("batch %s cannot be resumed (%s): skipped", resume_batch_id, exc.details())
                     return None  # not this trainer's to replay (another consumer's, or never built)
                 if exc.code() not in RETRYABLE:
+                    if chunks:  # a batch that cannot arrive whole is a bad batch, not a fatal error
+                        reason = f"stream failed: {exc.code().name}: {exc.details()}"
+                        await self.quarantine(chunks[0].batch_id, reason)
+                        return None
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        BAD_PULLS.inc()
+                        log.error("PullBatch refused (%s): no batch this time", exc.details())
+                        return None
                     raise
                 if time.monotonic() > deadline:
                     raise Unavailable(f"trajectory service: {exc.details()}") from exc
@@ -215,6 +232,26 @@ class TrajectoryBatchSource:
             await self.ack(batch_id, DROPPED)
         except grpc.aio.AioRpcError as exc:  # the local record already keeps it out of training
             log.warning("could not ack quarantined batch %s as dropped: %s", batch_id, exc.details())
+
+    async def confirm_received(self, batch_id: str) -> None:
+        """Tell the trajectory service this trainer holds every chunk of `batch_id` (and journaled it):
+        only now is the batch delivered (PullBatchRequest.confirm_receipt). Retried while the service
+        is unavailable; it must succeed before the batch is trained, or a lost confirmation could
+        let the batch be handed out again."""
+        deadline, delay_s = time.monotonic() + UNAVAILABLE_RETRY_S, 0.5
+        req = trajectory_pb2.AckBatchRequest(batch_id=batch_id, consumer=self.consumer, received=True)
+        while True:
+            try:
+                await self.stub.AckBatch(req)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or time.monotonic() > deadline:
+                    raise
+                log.warning(
+                    "trajectory unavailable (%s); retrying the receipt of %s", exc.details(), batch_id
+                )
+                await asyncio.sleep(delay_s)
+                delay_s = min(5.0, delay_s * 2)
 
     async def ack(self, batch_id: str, version: int) -> None:
         await self.stub.AckBatch(

@@ -244,7 +244,7 @@ class Trainer:
             )
         else:
             batch = await self.source.pull(self.journal.last_published_version, resume_batch_id=resume)
-        batch = self.journaled(batch)
+        batch = await self.journaled(batch)
         if batch is not None:
             self.last_batch_groups = len(set(batch.group_ids))
         return batch
@@ -254,7 +254,7 @@ class Trainer:
         left of batch_max_tokens, waiting up to stream_wait_s; None = the step is complete."""
         while self.replay:
             part = await self.source.pull(self.journal.last_published_version, self.replay.pop(0))
-            if (part := self.journaled(part)) is not None:
+            if (part := await self.journaled(part)) is not None:
                 return part
         left = self.cfg.batch_max_tokens - step_tokens
         if left <= 0:
@@ -262,17 +262,22 @@ class Trainer:
         part = await self.part_source().pull_part(
             self.journal.last_published_version, left, step_tokens, self.cfg.stream_wait_s
         )
-        return self.journaled(part)
+        return await self.journaled(part)
 
     def part_source(self) -> PartSource:
         return self.source  # type: ignore[return-value]  # checked in __init__ when streaming
 
-    def journaled(self, batch: PackedBatch | None) -> PackedBatch | None:
-        """`batch`, its id written to the journal before it is trained; None for a redelivered batch
+    async def journaled(self, batch: PackedBatch | None) -> PackedBatch | None:
+        """`batch`, its id written to the journal before it is trained and then its receipt confirmed
+        to the source (the trajectory service marks it delivered only then: a trainer killed before
+        gets it again, one killed after replays it from the journal); None for a redelivered batch
         this model already trained (it is acked at the next checkpoint)."""
-        if batch is None or batch.batch_id in self.state.trained_batch_ids:
+        if batch is None:
             return None
-        if batch.batch_id not in self.journal.pulled_batch_ids:
+        if (
+            batch.batch_id not in self.journal.pulled_batch_ids
+            and batch.batch_id not in self.state.trained_batch_ids
+        ):
             self.journal.pulled_batch_ids.append(batch.batch_id)
             self.store.write_journal(self.journal)
         return batch
@@ -281,6 +286,11 @@ class Trainer:
         """One optimizer step over `batch` — streaming: over `batch` and the parts pulled after it while
         it trains — micro-batch by micro-batch, resizing at each boundary."""
         start = time.perf_counter()
+        confirm = getattr(self.source, "confirm_received", None)  # sources without receipts: none to send
+        if confirm is not None:
+            await confirm(batch.batch_id)
+        if batch.batch_id in self.state.trained_batch_ids:
+            return None
         self.step_in_progress = True
         begin_step(self.optimizer)
         if self.tp is not None and self.tp.size:

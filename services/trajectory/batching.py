@@ -6,10 +6,25 @@ A batch's lifecycle (state in Postgres, table traj_batches)::
 
 - The poll loop builds and announces a batch once scored groups fill ``min_batch_fill`` of
   ``max_batch_tokens`` or the oldest waited ``batch_max_wait_s``.
-- PullBatch claims the oldest ready batch that fits the request's token budget and staleness
-  bound (one that does not is released: its groups are packed anew), or packs one now (and
-  announces it). The batch is marked delivered in Postgres before its chunks are returned, so a
-  trainer that restarts resumes it with ``resume_batch_id`` and gets the same chunks.
+- PullBatch claims the oldest ready batch within the staleness bound (a stale one is released: its
+  groups are dropped or packed anew), whatever its size: the request's token budget shapes only a
+  batch packed now, so a ready batch is never repacked because a trainer asked for a different
+  budget (a streamed step's strict budget skips a batch that does not fit, leaving it ready). With
+  none ready it packs one now (and announces it). The chunks (each at most ``max_chunk_bytes``)
+  are streamed from the stored bytes one at a time.
+- Delivery (``PullBatchRequest.confirm_receipt``, what the trainer sends): a batch handed out is
+  *claimed* for its consumer in memory and stays ``ready`` in Postgres until the consumer acks
+  that it holds every chunk (``AckBatch.received``, sent after the trainer journaled it): only then
+  is it ``delivered``. A stream that breaks (trainer killed mid-stream, connection lost) drops the
+  claim at once; a consumer that pulls again without resuming gives up its unconfirmed claims (it
+  restarted, or never got them). Either way the batch is handed out again, same id, same chunks,
+  and the trainer's journal (keyed by batch id) trains it once. A service restart forgets claims:
+  the batch is still ``ready``. Without confirm_receipt (older clients) the batch becomes delivered
+  once its last chunk was sent. A trainer that restarts resumes a journaled batch with
+  ``resume_batch_id`` and gets the same chunks.
+- A batch that cannot be packed (packing raised, or a chunk over the gRPC message limit) is
+  *quarantined*: its groups go to state ``quarantined``, the reason is logged once and counted
+  (``batches_quarantined``, in GetStats), and the service goes on with the next groups.
 - Groups older than ``max_staleness`` versions behind the trainer's version are dropped
   (``dropped_stale``, counted), never packed.
 - A streaming trainer (``PullBatchRequest.stream_part``) pulls a step as several *parts*: each
@@ -28,16 +43,31 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 from gyre.errors import NotFound
+from gyre.rpc import MAX_MESSAGE_BYTES
 from gyre.v1 import events_pb2, trajectory_pb2
 from services.trajectory.config import TrajectoryConfig
-from services.trajectory.packing import ScoredGroup, TreeBatch, pack, select_groups
+from services.trajectory.packing import ScoredGroup, TreeBatch, iter_framed, pack, select_groups
 from services.trajectory.state import CommitQueue, GroupInfo, TrajectoryState
-from services.trajectory.store import TrajectoryStore, decode_chunks
+from services.trajectory.store import TrajectoryStore
 
 log = logging.getLogger("gyre.trajectory")
+
+
+@dataclass
+class Handout:
+    """A batch handed to a consumer by one PullBatch: its stored chunks, streamed one at a time."""
+
+    batch_id: str
+    consumer: str
+    data: bytes | bytearray  # framed chunks (packing.frame)
+    confirm_receipt: bool  # delivered on AckBatch(received), not when the last chunk is sent
+
+    def chunks(self) -> Iterator[trajectory_pb2.BatchChunk]:
+        return iter_framed(self.data)
 
 
 class Batcher:
@@ -62,6 +92,8 @@ class Batcher:
         # Publishes the BatchReadyEvent of a batch packed at pull time (set by the service; None in tests
         # that use the core alone).
         self.announce: Callable[[events_pb2.BatchReadyEvent], Awaitable[None]] | None = None
+        # batch id -> consumer it is handed to, until it confirms receipt (module docstring, Delivery)
+        self.claims: dict[str, str] = {}
 
     # ------------------------------------------------------------------ building
     def _scored_groups(self, current_version: int | None) -> tuple[list[ScoredGroup], list[str]]:
@@ -97,10 +129,22 @@ class Batcher:
         if not fresh:
             return None
         chosen = select_groups(self.state.trees, fresh, max_tokens)
-        packed = pack(self.state.trees, chosen, batch_id=uuid.uuid4().hex[:16])
-        for c in packed.chunks:  # stored with the chunks: a resumed batch carries it too
-            c.normaliser = packed.normaliser
-        if not packed.chunks:
+        try:
+            packed = pack(
+                self.state.trees,
+                chosen,
+                batch_id=uuid.uuid4().hex[:16],
+                max_chunk_bytes=self.cfg.max_chunk_bytes,
+                keep_chunks=False,
+            )
+            if packed.max_chunk_bytes > MAX_MESSAGE_BYTES:
+                raise ValueError(
+                    f"a chunk of {packed.max_chunk_bytes} bytes exceeds the gRPC limit of {MAX_MESSAGE_BYTES}"
+                )
+        except Exception as exc:  # never a crash: the groups are set aside with the reason
+            await self._quarantine([g.group_id for g in chosen], f"{type(exc).__name__}: {exc}")
+            return None
+        if not packed.num_chunks:
             # Groups scored before the 'empty' check existed (loaded from Postgres): never an empty batch.
             await self._skip_empty([g.group_id for g in chosen])
             return None
@@ -111,6 +155,15 @@ class Batcher:
         self.counters["batched_tokens"] += packed.num_tokens
         self.counters["batched_flat_tokens"] += packed.num_flat_tokens
         return packed
+
+    async def _quarantine(self, group_ids: list[str], reason: str) -> None:
+        """Groups whose batch cannot be built: state ``quarantined``, logged once, counted (lock held)."""
+        log.error("batch of groups %s quarantined, not handed out: %s", ", ".join(group_ids), reason)
+        await self.commits.commit(self.store.mark_groups, group_ids, "quarantined")
+        for gid in group_ids:
+            self.state.groups[gid].state = "quarantined"
+        self.counters["batches_quarantined"] += 1
+        self.counters["groups_quarantined"] += len(group_ids)
 
     def _tree_tokens(self, info: GroupInfo, group: ScoredGroup) -> int:
         if info.tree_tokens is None:
@@ -155,7 +208,7 @@ class Batcher:
             event_id=f"batch.{p.batch_id}",
             run_id=self.run_id,
             batch_id=p.batch_id,
-            num_trees=len(p.chunks),
+            num_trees=p.num_trees,
             num_paths=p.num_paths,
             num_tokens=p.num_tokens,
             num_flat_tokens=p.num_flat_tokens,
@@ -166,8 +219,9 @@ class Batcher:
         )
 
     # ------------------------------------------------------------------ pull and ack
-    async def pull(self, req: trajectory_pb2.PullBatchRequest) -> list[trajectory_pb2.BatchChunk]:
-        """Chunks of one batch, marked delivered in Postgres before they are returned; [] if none by wait_s."""
+    async def pull(self, req: trajectory_pb2.PullBatchRequest) -> Handout | None:
+        """The batch handed to ``req.consumer`` (claimed, see Delivery), or None if none by wait_s.
+        The caller streams its chunks and then calls `sent`."""
         if req.run_id and req.run_id != self.run_id:
             raise NotFound(f"run {req.run_id!r} is not served here (this service serves {self.run_id!r})")
         if req.resume_batch_id:
@@ -175,33 +229,62 @@ class Batcher:
             if b is None or b.run_id != self.run_id:
                 raise NotFound(f"batch {req.resume_batch_id!r} does not exist in run {self.run_id!r}")
             if b.state == "ready":
-                await asyncio.to_thread(self.store.mark_delivered, b.batch_id, req.consumer)
+                self.claims[b.batch_id] = req.consumer
             self.counters["batches_resent"] += 1
-            return decode_chunks(b.chunks)
+            return Handout(b.batch_id, req.consumer, b.chunks, req.confirm_receipt)
+        self._give_up_claims(req.consumer)
         max_tokens = int(req.max_tokens) or self.cfg.max_batch_tokens
         current = int(req.current_version) if req.current_version else None
         deadline = time.monotonic() + max(0.0, req.wait_s)
         while True:
             if req.stream_part:
-                chunks, packed, full = await self._pull_part_once(
+                got, packed, full = await self._pull_part_once(
                     max_tokens, int(req.step_tokens), current, req.consumer
                 )
             else:
-                (chunks, packed), full = await self._pull_once(max_tokens, current, req.consumer), False
+                (got, packed), full = await self._pull_once(max_tokens, current, req.consumer), False
             if packed is not None:
                 await self._announce(packed)
-            if chunks:
-                self.counters["batches_delivered"] += 1
+            if got is not None:
+                batch_id, data = got
+                self.counters["batches_handed_out"] += 1
                 self.counters["batch_parts_delivered"] += int(req.stream_part)
-                return chunks
+                return Handout(batch_id, req.consumer, data, req.confirm_receipt)
             left = deadline - time.monotonic()
             if left <= 0 or full:
-                return []
+                return None
             self.batch_ready.clear()
             try:
                 await asyncio.wait_for(self.batch_ready.wait(), timeout=min(left, self.cfg.ready_poll_s))
             except TimeoutError:
                 pass
+
+    async def sent(self, handout: Handout, complete: bool) -> None:
+        """After streaming `handout`: a stream that broke gives the batch back (handed out again);
+        a complete one without confirm_receipt makes it delivered now."""
+        if not complete:
+            if self.claims.get(handout.batch_id) == handout.consumer:
+                del self.claims[handout.batch_id]
+                self.counters["batch_streams_broken"] += 1
+                log.warning(
+                    "batch %s: stream to %s broke; handed out again", handout.batch_id, handout.consumer
+                )
+                self.batch_ready.set()
+            return
+        if not handout.confirm_receipt:
+            await self._mark_delivered(handout.batch_id, handout.consumer)
+
+    def _give_up_claims(self, consumer: str) -> None:
+        """A consumer pulling anew gives up the batches it never confirmed (Delivery)."""
+        for batch_id in [b for b, c in self.claims.items() if c == consumer]:
+            del self.claims[batch_id]
+            self.counters["batch_claims_given_up"] += 1
+            self.batch_ready.set()
+
+    async def _mark_delivered(self, batch_id: str, consumer: str) -> None:
+        self.claims.pop(batch_id, None)
+        if await asyncio.to_thread(self.store.mark_delivered, batch_id, consumer):
+            self.counters["batches_delivered"] += 1
 
     async def _announce(self, packed: TreeBatch) -> None:
         """Publish the BatchReadyEvent of a batch built at pull time (those built by the poll loop are
@@ -217,13 +300,15 @@ class Batcher:
             self.counters["batch_events_published"] += 1
 
     async def _claim_ready_batch(
-        self, max_tokens: int, current: int | None, consumer: str
-    ) -> list[trajectory_pb2.BatchChunk] | None:
-        """The chunks of the oldest ready batch that fits `max_tokens` and the staleness bound, marked
-        delivered to `consumer`; None when there is none. A ready batch that does not fit this request
-        gives its groups back (scored again, packed anew by the caller). Lock held by the caller."""
+        self, max_tokens: int, current: int | None, consumer: str, strict: bool = False
+    ) -> tuple[str, bytes] | None:
+        """(id, stored chunks) of the oldest unclaimed ready batch within the staleness bound, claimed
+        for `consumer`; None when there is none. A stale ready batch gives its groups back (dropped
+        or packed anew by the caller); with `strict`, one over `max_tokens` is skipped (left ready).
+        The budget never releases a ready batch. Lock held by the caller."""
+        skip: set[str] = set()
         while True:
-            b = await asyncio.to_thread(self.store.next_ready_batch)
+            b = await asyncio.to_thread(self.store.next_ready_batch, set(self.claims) | skip)
             if b is None:
                 return None
             stale = (
@@ -231,20 +316,23 @@ class Batcher:
                 and b.min_version >= 0
                 and b.min_version < current - self.cfg.max_staleness
             )
-            if b.num_tokens > max_tokens or stale:
+            if stale:
                 groups = await asyncio.to_thread(self.store.release_batch, b.batch_id)
                 for gid in groups:
                     self.state.groups[gid].state = "scored"
                 continue
-            if await asyncio.to_thread(self.store.mark_delivered, b.batch_id, consumer):
-                return decode_chunks(b.chunks)
+            if strict and b.num_tokens > max_tokens:
+                skip.add(b.batch_id)
+                continue
+            self.claims[b.batch_id] = consumer
+            return b.batch_id, b.chunks
 
     async def _pull_once(
         self, max_tokens: int, current: int | None, consumer: str
-    ) -> tuple[list[trajectory_pb2.BatchChunk], TreeBatch | None]:
-        """Chunks of a claimed batch and, when it was packed now, the batch (to announce). A batch is
-        packed at pull time only from enough scored groups (`_enough`), as the poll loop builds one:
-        the trajectory's min_batch_fill and batch_max_wait_s shape every step, and wait_s is only
+    ) -> tuple[tuple[str, bytes | bytearray] | None, TreeBatch | None]:
+        """A claimed batch (id, chunks) and, when it was packed now, the batch (to announce). A batch
+        is packed at pull time only from enough scored groups (`_enough`), as the poll loop builds
+        one: the trajectory's min_batch_fill and batch_max_wait_s shape every step, and wait_s is only
         how long the request may wait for such a batch."""
         async with self.commits.lock:
             claimed = await self._claim_ready_batch(max_tokens, current, consumer)
@@ -252,13 +340,16 @@ class Batcher:
                 return claimed, None
             if not self._enough(max_tokens, current):
                 await self._drop_stale(current)
-                return [], None
-            packed = await self._build(max_tokens, current, "delivered", consumer)
-            return (packed.chunks, packed) if packed is not None else ([], None)
+                return None, None
+            packed = await self._build(max_tokens, current, "ready", consumer)
+            if packed is None:
+                return None, None
+            self.claims[packed.batch_id] = consumer
+            return (packed.batch_id, packed.encoded), packed
 
     async def _pull_part_once(
         self, max_tokens: int, step_tokens: int, current: int | None, consumer: str
-    ) -> tuple[list[trajectory_pb2.BatchChunk], TreeBatch | None, bool]:
+    ) -> tuple[tuple[str, bytes | bytearray] | None, TreeBatch | None, bool]:
         """One part of a streamed step (PullBatchRequest.stream_part): a ready batch that fits, or the
         fresh scored groups that fit packed now, even a single group (no min_batch_fill wait). With
         `step_tokens` > 0 the budget is strict, and the third value says the step is full: it already
@@ -267,17 +358,18 @@ class Batcher:
         what is left of the budget."""
         budget = min(step_tokens + max_tokens, self.cfg.max_batch_tokens)
         if step_tokens > 0 and step_tokens >= self.cfg.min_batch_fill * budget:
-            return [], None, True
+            return None, None, True
         async with self.commits.lock:
-            claimed = await self._claim_ready_batch(max_tokens, current, consumer)
+            strict = step_tokens > 0
+            claimed = await self._claim_ready_batch(max_tokens, current, consumer, strict)
             if claimed is not None:
                 return claimed, None, False
-            strict = step_tokens > 0
-            packed = await self._build(max_tokens, current, "delivered", consumer, strict=strict)
+            packed = await self._build(max_tokens, current, "ready", consumer, strict=strict)
             if packed is not None:
-                return packed.chunks, packed, False
+                self.claims[packed.batch_id] = consumer
+                return (packed.batch_id, packed.encoded), packed, False
             waiting = strict and bool(self._scored_groups(current)[0])
-            return [], None, waiting
+            return None, None, waiting
 
     async def _drop_stale(self, current_version: int | None) -> list[ScoredGroup]:
         """Mark scored groups too old for `current_version` dropped; return the fresh ones (lock held)."""
@@ -303,7 +395,15 @@ class Batcher:
         )
 
     async def ack(self, req: trajectory_pb2.AckBatchRequest) -> None:
-        """Record that the trainer trained the batch (at ``trained_at_version``); NotFound if unknown."""
+        """Record that the consumer holds the whole batch (``received``: it becomes delivered) or
+        trained it (at ``trained_at_version``); NotFound if unknown."""
+        if req.received:
+            b = await asyncio.to_thread(self.store.get_batch, req.batch_id)
+            if b is None or b.run_id != self.run_id:
+                raise NotFound(f"batch {req.batch_id!r} does not exist in run {self.run_id!r}")
+            await self._mark_delivered(req.batch_id, req.consumer)
+            return
+        self.claims.pop(req.batch_id, None)
         if not await asyncio.to_thread(
             self.store.ack_batch, req.batch_id, req.consumer, req.trained_at_version
         ):

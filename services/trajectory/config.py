@@ -17,6 +17,15 @@ class TrajectoryConfig(ConfigModel):
         ge=1,
         description="Token budget of a packed batch (tree tokens, each counted once) when PullBatch gives none.",
     )
+    max_chunk_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=4096,
+        le=32 * 1024 * 1024,
+        description=(
+            "Largest BatchChunk message of PullBatch (serialized bytes): a tree larger than this is streamed "
+            "in several chunks, and packing holds one chunk's arrays at a time."
+        ),
+    )
     min_batch_fill: float = Field(
         0.5,
         ge=0.0,

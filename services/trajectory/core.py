@@ -99,7 +99,7 @@ class TrajectoryCore:
         out["tree_tokens"] = float(sum(t.num_tokens for t in st.trees.values()))
         out["tree_nodes"] = float(sum(len(t.nodes) for t in st.trees.values()))
         out["executions"] = float(len(st.executions))
-        for state in ("open", "scored", "batched", "dropped_stale", "rejected", "empty"):
+        for state in ("open", "scored", "batched", "dropped_stale", "rejected", "empty", "quarantined"):
             out[f"groups_state_{state}"] = float(sum(1 for g in st.groups.values() if g.state == state))
         out.update(await asyncio.to_thread(self.store.counts))
         return out
@@ -129,5 +129,6 @@ def typed_stats(values: dict[str, float], latest_weights_version: int) -> trajec
         batches_ready=n("batches_ready"),
         batches_delivered=n("batches_delivered"),
         batches_acked=n("batches_acked"),
+        batches_quarantined=n("batches_quarantined"),
         latest_weights_version=latest_weights_version,
     )

@@ -139,7 +139,7 @@ class DedupRecord(Base):
 
 
 class Batch(Base):
-    """state: ready (built, announced) -> delivered (first chunk sent) -> acked. ``chunks`` = length-prefixed BatchChunk bytes."""
+    """state: ready (built, announced; handed out but not confirmed) -> delivered (the consumer confirmed it holds every chunk) -> acked. ``chunks`` = length-prefixed BatchChunk bytes."""
 
     __tablename__ = "traj_batches"
     batch_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)

@@ -86,8 +86,16 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
         checked.CopyFrom(request)
         checked.current_version = self.gate.clamp_version(request.current_version)
         checked.wait_s = min(request.wait_s, MAX_PULL_WAIT_S)
-        for chunk in await self.core.batching.pull(checked):
-            yield chunk
+        handout = await self.core.batching.pull(checked)
+        if handout is None:
+            return
+        complete = False
+        try:
+            for chunk in handout.chunks():  # decoded one at a time from the stored bytes
+                yield chunk
+            complete = True
+        finally:  # a broken stream (trainer gone, cancelled) gives the batch back at once
+            await self.core.batching.sent(handout, complete)
 
     @rpc.error_boundary
     async def AckBatch(  # noqa: N802

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -319,7 +319,7 @@ class TrajectoryStore:
                     num_partial_paths=packed.num_partial_paths,
                     min_version=packed.min_policy_version,
                     max_version=packed.max_policy_version,
-                    chunks=encode_chunks(packed.chunks),
+                    chunks=packed.encoded or encode_chunks(packed.chunks),
                 )
             )
             s.flush()
@@ -370,11 +370,16 @@ class TrajectoryStore:
             s.delete(b)
             return groups
 
-    def next_ready_batch(self) -> m.Batch | None:
+    def next_ready_batch(self, exclude: Collection[str] = ()) -> m.Batch | None:
+        """The oldest ready batch whose id is not in `exclude` (batches claimed by a consumer)."""
         with session_scope(self.engine) as s:
             return s.scalars(
                 sa.select(m.Batch)
-                .where(m.Batch.run_id == self.run_id, m.Batch.state == "ready")
+                .where(
+                    m.Batch.run_id == self.run_id,
+                    m.Batch.state == "ready",
+                    m.Batch.batch_id.not_in(list(exclude)),
+                )
                 .order_by(m.Batch.created_unix_s)
                 .limit(1)
             ).first()

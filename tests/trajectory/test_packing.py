@@ -226,3 +226,35 @@ def test_executions_with_only_prompt_tokens_have_nothing_to_train():
     )
     group.executions.append(PackedExecution("e2", 0.0, 1, 1.0, 0.0, 0))
     assert trainable_tokens(tree, group) == 1
+
+
+def test_a_tree_larger_than_a_chunk_is_streamed_in_bounded_chunks_that_rebuild_the_same_batch():
+    from gyre.model.attention import TreeLayout
+    from services.trainer.batch import from_chunks
+    from services.trajectory.packing import iter_framed
+
+    execs, trees = build()
+    groups = [
+        ScoredGroup(gid, ex.task_id, [PackedExecution(ex.execution_id, 0.5 - i % 2, 1, 1.0, 1.0, 0)])
+        for i, (gid, ex) in enumerate((e.group_id + e.execution_id, e) for e in execs)
+    ]
+    whole = pack(trees, groups, batch_id="b", max_chunk_bytes=64 << 20)
+    cut = pack(trees, groups, batch_id="b", max_chunk_bytes=4096, keep_chunks=False)
+    streamed = list(iter_framed(cut.encoded))
+    assert len(streamed) == cut.num_chunks > len(whole.chunks) == whole.num_trees == cut.num_trees
+    assert max(c.ByteSize() for c in streamed) == cut.max_chunk_bytes <= 4096
+    assert streamed[-1].last and not any(c.last for c in streamed[:-1])
+    assert [c.chunk_index for c in streamed] == list(range(len(streamed)))
+    a, b = from_chunks(whole.chunks), from_chunks(streamed)
+    for name in ("token_ids", "position_ids", "loss_mask", "weight_pos", "weight_neg", "kl_weight"):
+        assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    assert a.behaviour_logprobs.tolist() == b.behaviour_logprobs.tolist()
+    assert (a.num_paths, a.num_flat_tokens, sorted(a.group_ids)) == (
+        b.num_paths,
+        b.num_flat_tokens,
+        sorted(b.group_ids),
+    )
+    # the same attention: a node cut across chunks continues as its own child
+    mask_a = TreeLayout(a.num_tokens, a.node_offsets, a.node_lengths, a.node_parents).dense_mask()
+    mask_b = TreeLayout(b.num_tokens, b.node_offsets, b.node_lengths, b.node_parents).dense_mask()
+    assert bool((mask_a == mask_b).all())
