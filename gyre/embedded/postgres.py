@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Self
 from urllib.parse import quote
 
+from gyre.embedded.guardian import guardian
 from gyre.embedded.server import EmbeddedServer, free_port
 from gyre.errors import Unavailable
 
@@ -276,7 +277,7 @@ class EmbeddedPostgres(EmbeddedServer):
     @staticmethod
     def _run_as(user: pwd.struct_passwd | None, cmd: list[str]) -> None:
         extra = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {}
-        res = subprocess.run(cmd, capture_output=True, text=True, cwd="/", **extra)  # type: ignore[call-overload]
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd="/", env=guardian().env(), **extra)  # type: ignore[call-overload]
         if res.returncode != 0:
             raise Unavailable(f"{Path(cmd[0]).name} failed ({res.returncode}): {res.stderr.strip()}")
 

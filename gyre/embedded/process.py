@@ -11,12 +11,17 @@ Guarantees:
 * stdout and stderr go to the log file (appended, one ``==== time $ cmd`` header line per start),
   never through a pipe to the parent, so a busy or dead parent never blocks the child on a full
   pipe;
-* started from the main thread on Linux, the child gets `death_signal` when the parent dies (even
-  by SIGKILL), so a killed parent does not leave its children running;
+* nothing outlives the parent, however it dies (SIGKILL included) and from whichever thread the
+  child was started: the parent's guardian (gyre.embedded.guardian, a small reaper process that
+  sees the parent die as the end of a pipe) watches every child from spawn to stop, and then sends
+  it `death_signal`, SIGKILLs after the grace period what is left of its group, of its descendants
+  and of every process carrying the guardian's token in its environment (GYRE_GUARDIAN, which
+  every child gets); started from the main thread on Linux, the child also gets `death_signal`
+  from the kernel at once (PR_SET_PDEATHSIG, which follows the forking *thread*, so only there);
 * `stop(grace_s)` sends `stop_signal` (to the whole group, or to the leader only when the leader
   stops its own children, as the Postgres postmaster does), waits `grace_s` seconds, SIGKILLs the
   group, then kills what is left of the group and of the leader's descendants (also those that
-  left the group) and reaps the leader. Idempotent.
+  left the group) and reaps the leader, then tells the guardian to forget it. Idempotent.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from pathlib import Path
 from typing import IO
 
 import psutil
+
+from gyre.embedded.guardian import guardian
 
 _PR_SET_PDEATHSIG = 1
 # How long stop() waits for stragglers of the group once the leader is gone (seconds).
@@ -56,8 +63,10 @@ def _death_signal(sig: int) -> Callable[[], None] | None:
 class ProcessGroup:
     """A started child process leading its own process group (see the module docstring).
 
-    `env` None inherits the parent's environment; `user` runs the child as that OS user (the
-    parent must be root); `cwd` is the child's working directory.
+    `env` None inherits the parent's environment (either way the guardian's token is added);
+    `user` runs the child as that OS user (the parent must be root); `cwd` is the child's working
+    directory; `death_grace_s` is how long the guardian waits after `death_signal` before SIGKILL
+    when the parent died.
     """
 
     def __init__(
@@ -72,6 +81,7 @@ class ProcessGroup:
         stop_signal: int = signal.SIGTERM,
         death_signal: int = signal.SIGTERM,
         stop_whole_group: bool = True,
+        death_grace_s: float = 10.0,
     ) -> None:
         self.name = name
         self.log_path = log_path
@@ -89,7 +99,7 @@ class ProcessGroup:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else None,
+            env=guardian().env(env),
             cwd=cwd,
             start_new_session=True,
             preexec_fn=_death_signal(death_signal),
@@ -97,6 +107,9 @@ class ProcessGroup:
         )
         # OS process id of the leader, which is also the process group id.
         self.pid: int = self._proc.pid
+        guardian().watch(
+            self.pid, death_signal=death_signal, whole_group=stop_whole_group, grace_s=death_grace_s
+        )
 
     @property
     def returncode(self) -> int | None:
@@ -139,6 +152,7 @@ class ProcessGroup:
             with contextlib.suppress(psutil.Error):
                 child.kill()
         psutil.wait_procs(children, timeout=_STRAGGLER_GRACE_S)
+        guardian().forget(self.pid)
         if self._log is not None:
             self._log.close()
             self._log = None
