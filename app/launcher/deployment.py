@@ -50,12 +50,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Self
 
 import psutil
@@ -166,6 +167,7 @@ class Deployment:
         self._halt = threading.Event()  # set by stop(): the supervisor and any start wait end
         self._supervisor: threading.Thread | None = None
         self._lock = threading.RLock()  # guards _procs / _endpoints between supervisor and callers
+        self._sigterm_installed = False  # start() made SIGTERM a graceful stop (_stop_on_sigterm)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -192,6 +194,7 @@ class Deployment:
 
     def start(self) -> Endpoints:
         """Start everything (see the module docstring); on any failure stop what started and raise."""
+        self._stop_on_sigterm()
         try:
             return self._start()
         except BaseException:
@@ -523,9 +526,34 @@ class Deployment:
         record.serving_at = time.time()
         self._progress(f"embedded {kind} restarted on the same port ({record.recovery_s:.1f} s)")
 
+    def _stop_on_sigterm(self) -> None:
+        """Where nobody handles SIGTERM (its default kills this process with no cleanup at all, as
+        `gyre run` and `gyre chaos` had it), make it a graceful stop: SIGTERM does what Ctrl-C does
+        (the current SIGINT handler: asyncio.run's cancels the job's main task, Python's raises
+        KeyboardInterrupt), so the `with Deployment(...)` block unwinds through stop(). Main thread
+        only (where signal handlers live); the previous handler is back after stop()."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _sigterm_as_sigint)
+            self._sigterm_installed = True
+
     def stop(self) -> None:
         """Stop services in reverse start order, then the embedded servers. Idempotent; never raises
-        for a process that is already gone."""
+        for a process that is already gone. A SIGTERM that arrives while it runs is ignored when
+        start() made SIGTERM a graceful stop (a half-done stop is finished by the guardian anyway:
+        gyre.embedded.guardian)."""
+        ours = self._sigterm_installed and threading.current_thread() is threading.main_thread()
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self._stop()
+        finally:
+            if ours:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                self._sigterm_installed = False
+
+    def _stop(self) -> None:
         self._halt.set()
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join()
@@ -547,6 +575,15 @@ class Deployment:
                     path.unlink()
             if self._credentials is not None:
                 rpc.set_default_token(self._previous_token)
+
+
+def _sigterm_as_sigint(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM handled as SIGINT is (Deployment._stop_on_sigterm)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:
+        raise KeyboardInterrupt(f"{signal.Signals(signum).name}")
 
 
 def _connect_host(bind_host: str) -> str:
