@@ -46,6 +46,8 @@ from gyre import rpc, store
 from gyre.bus import Bus
 from gyre.config import CommonConfig, ConfigModel, load_common, load_section
 from gyre.errors import ConfigError, GyreError
+from gyre.v1 import waits_pb2, waits_pb2_grpc
+from gyre.waits import WaitsServicer
 
 log = logging.getLogger("gyre.service")
 
@@ -111,6 +113,11 @@ class Service(abc.ABC):
     @abc.abstractmethod
     async def start(self, rt: Runtime) -> None:
         """Register gRPC servicers on rt.server and start loops with rt.spawn; return promptly."""
+
+    def waits(self) -> list[waits_pb2.Wait]:
+        """What the service's loops wait on now (Waits.GetWaits, for the job's watchdog); computed
+        from the service's state when asked. Default: nothing tracked."""
+        return []
 
     async def stop(self) -> None:  # noqa: B027 (a service with nothing to drain keeps the default)
         """Drain: stop taking work, finish or hand off work in flight. Called before gRPC stops."""
@@ -275,6 +282,7 @@ async def _serve(
         STATE.labels(name).set(State.READY)
         service = factory(common, section)
         await service.start(rt)
+        waits_pb2_grpc.add_WaitsServicer_to_server(WaitsServicer(name, service.waits), server)
         await server.start()
         await rpc.set_serving(health, True, ("", name))
         rt.state = State.SERVING

@@ -37,6 +37,13 @@ class JobConfig(ConfigModel):
     poll_interval_s: float = Field(
         0.5, gt=0, description="Seconds between the job's looks at the rollout service's live executions."
     )
+    stall_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="Watchdog (app/job/watchdog.py): when no weight version, stored call or scored group came "
+        "for this long (s) and the trainer is not inside a step, the job asks every service what it waits on, "
+        "writes it to <run_dir>/stall.json and ends with that reason (exit 1). 0: off.",
+    )
     ingest_wait_s: float = Field(
         120.0,
         ge=0,

@@ -51,6 +51,7 @@ class RunTracker:
         self.num_steps_seen = 0
         self.num_tokens = 0
         self.num_batches = 0
+        self.groups_dropped = 0  # groups the trajectory service will never train (GroupDroppedEvent)
         self._token_window: deque[tuple[float, int]] = deque()
         self.started_at = time.time()
         self.steps_done = asyncio.Event()
@@ -101,6 +102,8 @@ class RunTracker:
                 self.roles[str(lease["device_id"])] = role
         elif kind == "BatchReadyEvent":
             self.num_batches += 1
+        elif kind == "GroupDroppedEvent":
+            self.groups_dropped += 1
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         now = time.time()

@@ -288,6 +288,7 @@ async def drive(
     job counts as done only once it has returned too (an exception of it ends the job)."""
     from app.job.collector import EventCollector
     from app.job.progress import LiveProgress, RunTracker
+    from app.job.watchdog import Watchdog, record
     from gyre.bus import Bus
 
     endpoints = deployment.endpoints
@@ -315,6 +316,7 @@ async def drive(
                     asyncio.create_task(_keep_executions_live(rollout.grpc_address, job), name="driver")
                 )
             deadline = started + job.timeout_s
+            watchdog = Watchdog(tracker, job.stall_timeout_s)
             while True:
                 if tracker.steps_done.is_set() and (side is None or side.done()):
                     outcome = JobOutcome(True, f"weight version {tracker.version} published")
@@ -323,6 +325,13 @@ async def drive(
                     outcome = JobOutcome(
                         False, f"timeout after {job.timeout_s:.0f} s at step {tracker.version}"
                     )
+                    break
+                stall = await watchdog.check(endpoints)
+                if stall is not None:
+                    path = record(stall, run_dir)
+                    print(f"watchdog: {stall.reason()} (written to {path})", file=sys.stderr, flush=True)
+                    outcome = JobOutcome(False, stall.reason())
+                    outcome.final_stats["watchdog"] = stall.to_json()
                     break
                 failed = deployment.failed_services()
                 if failed:
@@ -348,7 +357,7 @@ async def drive(
             else:
                 await asyncio.sleep(job.drain_s)
             after = await collect_final_stats(endpoints, common.run_id, skip=deployment.stopped_services)
-            outcome.final_stats = {**before, **after}
+            outcome.final_stats = {**outcome.final_stats, **before, **after}
     finally:
         for task in tasks:
             task.cancel()

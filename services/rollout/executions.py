@@ -5,6 +5,12 @@ has started at most G * (latest_version + 1 + S) groups in total, counting the g
 boot. A group that wants to start beyond that waits until the trainer publishes a newer version.
 This is what bounds rollout to the data the trainer can take within the staleness bound
 (AReaL-style), instead of flooding the pipeline with executions nobody will train on.
+A group the trajectory service will never train (nothing generated, unscorable, or stale before it
+was packed: a GroupDroppedEvent) gives its slot back (`on_group_dropped`): the bound counts groups
+that can still reach the trainer. Without that, every such group shrank the pipeline's slack of
+G * S groups for good, and once it was spent the trainer waited for a batch the rollout would not
+generate while the rollout waited for a version that needed that batch (the stall of
+`gyre chaos` after a Postgres restart delayed ingest past the partial-scoring cut-off).
 
 Group ids are `<task>-g<n>`, n the task's own count of groups unless the family numbers groups in
 admission order (`TaskFamily.group_number`; the `workload` environment does, so that its groups
@@ -80,6 +86,8 @@ class ExecutionManager:
         self.staleness_bound = max(0, staleness_bound)
         self.latest_version = 0
         self.groups_started = 0
+        self.groups_refunded = 0  # groups of this process dropped untrained: their slots came back
+        self._own_groups: set[str] = set()  # groups this process started, not yet refunded
         self._admission = asyncio.Condition()
         self._waiting: set[asyncio.Task[None]] = set()
         self.resumed_tasks: set[str] = set()  # tasks with a group resumed from a predecessor
@@ -95,13 +103,40 @@ class ExecutionManager:
             self.latest_version = max(self.latest_version, version)
             self._admission.notify_all()
 
+    async def on_group_dropped(self, group_id: str) -> bool:
+        """The trajectory service will never train `group_id`: give its admission slot back, once,
+        if this process started it (a predecessor's groups were never counted here). Returns
+        whether a slot came back."""
+        async with self._admission:
+            if group_id not in self._own_groups:
+                return False
+            self._own_groups.discard(group_id)
+            self.groups_refunded += 1
+            self._admission.notify_all()
+            return True
+
+    def groups_in_flight(self) -> int:
+        """Groups started by this process that may still reach the trainer (what admission counts)."""
+        return self.groups_started - self.groups_refunded
+
+    def admission_wait(self) -> str:
+        """What admission waits for now, in words ("" when a group may start)."""
+        allowed = self.groups_allowed()
+        if allowed is None or self.groups_in_flight() < allowed:
+            return ""
+        return (
+            f"admission: {self.groups_in_flight()} groups in flight (started {self.groups_started}, "
+            f"refunded {self.groups_refunded}) of {allowed} allowed at version {self.latest_version}; "
+            "waiting for a newer weight version"
+        )
+
     async def _start_when_admitted(self, task_id: str, group_size: int) -> None:
         async with self._admission:
             await self._admission.wait_for(
                 lambda: (
                     self._stopping
                     or (allowed := self.groups_allowed()) is None
-                    or self.groups_started < allowed
+                    or self.groups_in_flight() < allowed
                 )
             )
             if not self._stopping:
@@ -113,6 +148,7 @@ class ExecutionManager:
         )
         group_id = f"{task_id}-g{n}" if self.incarnation == 0 else f"{task_id}-r{self.incarnation}g{n}"
         self.groups_started += 1
+        self._own_groups.add(group_id)
         ids = []
         for k in range(group_size):
             spec = ExecutionSpec(
@@ -148,6 +184,8 @@ class ExecutionManager:
                 ended.append(spec.execution_id)
                 continue
             await sink.publish_execution(resumed_event(point, self.incarnation))
+            if point.steps:  # its next call is sent compact against the last replayed one
+                sink.remember(point.steps[-1])
             self.resumed_tasks.add(spec.task_id)
             self.counters.resumed += 1
             self.live[spec.execution_id] = asyncio.create_task(

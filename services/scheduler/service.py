@@ -31,7 +31,8 @@ from gyre.config import CommonConfig
 from gyre.errors import Conflict, InvalidArgument, NotFound
 from gyre.rpc import error_boundary
 from gyre.service import Runtime, Service
-from gyre.v1 import events_pb2, scheduler_pb2, scheduler_pb2_grpc
+from gyre.v1 import events_pb2, scheduler_pb2, scheduler_pb2_grpc, waits_pb2
+from gyre.waits import wait
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.handoff_clock import HandoffClock
 from services.scheduler.lease_store import PostgresLeaseStore
@@ -69,6 +70,8 @@ class SchedulerService(Service):
         self.pool_metrics = PoolMetrics()
         # event ids of this process's MetricsEvents: a restarted scheduler counts intervals from 0 again
         self._metrics_tag = f"{time.time_ns():x}"
+        self._leases_seen: list[Lease] = []  # the pool as of the plan loop's last snapshot (waits())
+        self._unreported: list[str] = []  # live workers the last snapshot had no load report from
         self._next_metrics_s = 0.0  # time.monotonic() at which the next pool MetricsEvent is due
 
     # --- lifecycle -----------------------------------------------------------------------------------
@@ -94,6 +97,24 @@ class SchedulerService(Service):
     async def stop(self) -> None:
         self._stopping.set()
         await self.publish_pending()
+
+    def waits(self) -> list[waits_pb2.Wait]:
+        """Handoffs not finished (a device between holders) and workers whose load the plan waits for,
+        as of the plan loop's last round."""
+        out = [
+            wait(
+                "handoff",
+                f"device {x.device_id} {x.state}: {x.holder or 'nobody'} -> "
+                f"{x.target_holder or 'nobody'} ({x.target_role or x.role}), deadline in "
+                f"{x.deadline_unix_s - time.time():.0f} s",
+                x.updated_unix_s,
+            )
+            for x in self._leases_seen
+            if x.state != LeaseState.ACTIVE
+        ]
+        if self._unreported:
+            out.append(wait("plan", f"no load report yet from {', '.join(self._unreported)}"))
+        return out
 
     # --- the plan loop -------------------------------------------------------------------------------------
     async def plan_loop(self) -> None:
@@ -141,9 +162,10 @@ class SchedulerService(Service):
     def snapshot(self) -> PoolSnapshot | None:
         """The pool as a policy sees it, or None while a live worker has not reported its load yet."""
         workers = [w for w in self.book.workers() if w.alive]
-        if not workers or any(w.worker_id not in self.loads for w in workers):
+        self._unreported = [w.worker_id for w in workers if w.worker_id not in self.loads]
+        if not workers or self._unreported:
             return None
-        leases = self.book.leases()
+        leases = self._leases_seen = self.book.leases()
         rollout = [self.loads[w.worker_id] for w in workers if w.service == "rollout"]
         trainer = [self.loads[w.worker_id] for w in workers if w.service == "trainer"]
         return self.split_meter.observe(

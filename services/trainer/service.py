@@ -39,7 +39,9 @@ from gyre.v1 import (
     trainer_pb2_grpc,
     trajectory_pb2,
     trajectory_pb2_grpc,
+    waits_pb2,
 )
+from gyre.waits import wait
 from services.trainer.config import TrainerConfig
 from services.trainer.data import TrajectoryBatchSource
 from services.trainer.loop import Trainer
@@ -260,6 +262,17 @@ class TrainerService(Service):
             trainer_dp_size=t.dp.size,
             busy_device_s=t.busy_device_s,
         )
+
+    def waits(self) -> list[waits_pb2.Wait]:
+        """The step loop's phase (pulling a batch, training, publishing) and a missing device."""
+        t = self.trainer
+        out = []
+        if t.parked:
+            out.append(wait("devices", "a TRAIN device: none held (the scheduler lends one)"))
+        if t.phase is not None:
+            loop, what, since = t.phase
+            out.append(wait(loop, what, since))
+        return out
 
     async def stop(self) -> None:
         self.state = common_pb2.SERVICE_STATE_DRAINING

@@ -74,3 +74,32 @@ async def test_workload_groups_follow_the_simulators_steps_in_admission_order_wh
     for i, eid in enumerate(fast):  # step 1's first two tasks' plans, not task 3's steps 1 and 2
         assert family.plan_for(3, eid)[0] == plans[1][i * w.group_size]
     await manager.stop()
+
+
+async def test_a_group_dropped_untrained_gives_its_slot_back_so_the_pipeline_cannot_stall() -> None:
+    # The cycle `gyre chaos` stalled in: one group per version and no slack; the group is started, ends,
+    # and the trajectory service drops it (empty or stale: it will never be trained). No batch, so no
+    # new version; without the refund the rollout waits for that version forever.
+    manager = _manager(_longhorizon(), continuous=True, groups_per_version=1, staleness_bound=0)
+    (first,) = {e.rsplit("-e", 1)[0] for e in manager.start(num_tasks=1, group_size=2)}
+    await settle()
+    assert manager.groups_started == 1
+    assert "waiting for a newer weight version" in manager.admission_wait()
+    assert await manager.on_group_dropped(first)
+    await settle()
+    assert manager.groups_started == 2  # generated anew, without a new version
+    assert manager.groups_refunded == 1
+    await manager.stop()
+
+
+async def test_a_group_is_refunded_once_and_only_by_the_process_that_started_it() -> None:
+    manager = _manager(_longhorizon(), continuous=True, groups_per_version=1, staleness_bound=0)
+    (first,) = {e.rsplit("-e", 1)[0] for e in manager.start(num_tasks=1, group_size=2)}
+    await settle()
+    assert not await manager.on_group_dropped("t0000-r1g7")  # a predecessor's group: never counted here
+    assert await manager.on_group_dropped(first)
+    assert not await manager.on_group_dropped(first)  # redelivered event
+    await settle()
+    assert manager.groups_started == 2
+    assert manager.groups_refunded == 1
+    await manager.stop()
