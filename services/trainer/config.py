@@ -75,7 +75,12 @@ class TrainerConfig(ConfigModel):
         default=0.0, ge=0, description="Weight of the KL to the initial (reference) model; 0 = none."
     )
     batch_max_tokens: int = Field(
-        default=4096, ge=1, description="Token budget of a pulled batch (tree tokens, each counted once)."
+        default=65_536,
+        ge=1,
+        description="Token budget of a batch packed at pull time (tree tokens, each counted once); the same "
+        "default as trajectory.max_batch_tokens, which shapes the batches the trajectory service builds ahead. "
+        "A ready batch is handed out whatever its size (never repacked for this budget); micro_batch_tokens "
+        "bounds what trains at once.",
     )
     pull_wait_s: float = Field(
         default=2.0, ge=0, description="How long one PullBatch waits for enough scored groups (s)."
@@ -121,8 +126,9 @@ class TrainerConfig(ConfigModel):
     micro_batch_tokens: int = Field(
         default=2048,
         ge=1,
-        description="Token budget of a micro-batch (whole trees): gradients accumulate over a step's "
-        "micro-batches, and the data-parallel group grows or shrinks between two of them.",
+        description="Token budget of a micro-batch: gradients accumulate over a step's micro-batches, and the "
+        "data-parallel group grows or shrinks between two of them. A larger tree is split into parts of at most "
+        "this many tokens with exact context (docs/trainer.md, 'Trees split across micro-batches').",
     )
     loss_chunk_tokens: int = Field(
         default=4096,

@@ -301,6 +301,7 @@ class Trainer:
         norm = StepNormaliser(self.cfg.streaming)
         pending: asyncio.Task[PackedBatch | None] | None = None
         num_micro = 0
+        recomputed = 0  # context tokens forwarded again because a tree was split across micro-batches
         step_rms: float | None = None
         part: PackedBatch | None = batch
         try:
@@ -313,6 +314,7 @@ class Trainer:
                 if self.normalise_step:  # one RMS for the whole step, before it is cut
                     part, step_rms = step_batch(part.to("cpu", DTYPES[self.cfg.dtype]), True)
                 micro_batches = part.micro_batches(self.cfg.micro_batch_tokens)
+                recomputed += sum(m.num_tokens for m in micro_batches) - part.num_tokens
                 self.micro_left = len(micro_batches)
                 for micro in micro_batches:
                     await self.at_boundary()
@@ -347,6 +349,7 @@ class Trainer:
         if self.cfg.streaming:
             metrics["loss"] = norm.step_loss()
         metrics.update(
+            recomputed_context_tokens=float(recomputed),
             step=float(self.state.step),
             dp_size=float(self.dp.size),
             dp_size_mean=sum(sizes) / len(sizes),  # ranks per micro-batch: min < max = resized mid-step

@@ -150,12 +150,12 @@ def train_batch(
     )
     shard_settings = shard_loss_settings(settings)
     begin_step(optimizer)
-    parts = [
-        backward_micro(model, micro, shard_settings, ref_model)
-        for micro in batch.micro_batches(micro_batch_tokens)
-    ]
+    micro_batches = batch.micro_batches(micro_batch_tokens)
+    parts = [backward_micro(model, micro, shard_settings, ref_model) for micro in micro_batches]
     grad_norm = finish_step(model, optimizer, grad_clip)
     metrics = combine_metrics(parts)
+    # tokens of ancestor context forwarded again because a tree was split (services/trainer/split_trees.py)
+    metrics["recomputed_context_tokens"] = float(sum(m.num_tokens for m in micro_batches) - batch.num_tokens)
     if rms is not None:
         metrics["advantage_rms"] = rms
     if grad_clip:

@@ -27,6 +27,7 @@ class ScriptedTrajectory(trajectory_pb2_grpc.TrajectoryServicer):
         self.order = list(self.batches)
         self.next = 0
         self.acked: list[str] = []
+        self.received: list[str] = []
         self.resumed: list[str] = []
 
     async def PullBatch(self, request, context):
@@ -44,7 +45,10 @@ class ScriptedTrajectory(trajectory_pb2_grpc.TrajectoryServicer):
         yield to_chunk(batch.select_trees(trees[1:]), 1, True)
 
     async def AckBatch(self, request, context):
-        self.acked.append(request.batch_id)
+        if request.received:  # a receipt (the batch arrived whole), not a training ack
+            self.received.append(request.batch_id)
+        else:
+            self.acked.append(request.batch_id)
         return trajectory_pb2.AckBatchResponse()
 
 

@@ -114,3 +114,52 @@ def test_a_training_step_with_a_budget_below_the_tree_size_takes_the_step_of_the
     assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-9)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
+def stripped_reasoning_tree(prompt: int, turns: int, reasoning: int, answer: int, observation: int):
+    """An execution whose history drops each turn's reasoning: every call's prompt is the prompt plus
+    the earlier answers and observations, so each turn branches twice from the history so far: the
+    call's reasoning + answer (a leaf), and the answer + observation that the next prompt keeps."""
+    from gyre.model.trees import TreeArrays
+
+    offsets, lengths, parents, positions = [0], [prompt], [-1], list(range(prompt))
+    history, start = 0, prompt
+    for _ in range(turns):
+        for size in (reasoning + answer, answer + observation):
+            offsets.append(sum(lengths))
+            lengths.append(size)
+            parents.append(history)
+            positions.extend(range(start, start + size))
+        history, start = len(lengths) - 1, start + answer + observation
+    return TreeArrays(offsets, lengths, parents, positions)
+
+
+def test_a_stripped_reasoning_tree_split_into_four_or_more_parts_has_the_whole_trees_loss_and_gradients():
+    tree = stripped_reasoning_tree(8, 10, 8, 2, 2)  # 148 tokens, longest path 54
+    budget = 64
+    cfg = ModelConfig(num_query_groups=2, attention_backend="dense")
+    model = build_model(cfg, dtype=torch.float64, seed=7)
+    ref = build_model(cfg, dtype=torch.float64, seed=57).requires_grad_(False)
+    batch = _batch(tree, 7)
+    settings = LossSettings(kl_coef=0.05, entropy_coef=0.1, chunk_tokens=16)
+    params = list(model.parameters())
+
+    whole, _ = tree_loss(model, batch, settings, ref)
+    whole_grads = torch.autograd.grad(whole, params)
+    micros = batch.micro_batches(budget)
+    assert len(micros) >= 4 and all(m.num_tokens <= budget for m in micros)
+    split_total = torch.zeros((), dtype=torch.float64)
+    split_grads = [torch.zeros_like(p) for p in params]
+    for micro in micros:
+        loss, _ = tree_loss(model, micro, settings, ref)
+        split_total = split_total + loss.detach()
+        for acc, g in zip(split_grads, torch.autograd.grad(loss, params), strict=True):
+            acc += g
+    assert sum(int(m.loss_mask.sum()) for m in micros) == int(batch.loss_mask.sum())
+    torch.testing.assert_close(split_total, whole.detach(), rtol=1e-9, atol=1e-12)
+    for g_split, g_whole in zip(split_grads, whole_grads, strict=True):
+        torch.testing.assert_close(g_split, g_whole, rtol=1e-8, atol=1e-12)
+    # the recomputed context the step metrics report
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = train_batch(model, opt, batch, settings, ref, grad_clip=0.0, micro_batch_tokens=budget)
+    assert metrics["recomputed_context_tokens"] == sum(m.num_tokens for m in micros) - batch.num_tokens > 0
