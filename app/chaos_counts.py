@@ -1,6 +1,8 @@
 """What `gyre chaos` counts over a run (app.chaos's docstring defines each counter): from the event
 log (events.jsonl), the services' final counters, the trainer's final checkpoint and the
-trajectory's batch table. Pure functions of those records, shared by app.chaos and app.chaos_resume.
+trajectory's batch table. Pure functions of those records, shared by app.chaos, app.chaos_resume and
+app.chaos_soak (which passes each of its kills as a Fault: a rollout kill is a rollout death, an
+engine kill an engine death, and every other exit of the rollout the supervisor saw counts too).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The faults `gyre chaos` injects into a running deployment, one at a time, and how each is judged
-recovered (app.chaos runs the job and counts the losses).
+recovered (app.chaos runs the job and counts the losses). `gyre chaos --soak` (app.chaos_soak) makes
+its many kills with the same `kill_target`, `inject_engine_fault` and `engine_recovered`.
 
     for each fault, in order:
         wait for trainer step `at_step` + a random delay (seeded); a rollout or engine kill then also
