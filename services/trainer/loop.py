@@ -123,6 +123,8 @@ class Trainer:
         self.step_lock = asyncio.Lock()
         self.boundary = asyncio.Condition()  # notified after every boundary
         self.parked = False  # waiting at a boundary for a device
+        # What the loop is doing now, for the watchdog: (loop, what, since unix s); None: not looping.
+        self.phase: tuple[str, str, float] | None = None
         self.looping = False  # run() is active (it applies device changes at its boundaries)
         self.boundary_hooks: list[Callable[[], Awaitable[None]]] = []  # awaited at every boundary
         self.step_in_progress = False
@@ -218,20 +220,24 @@ class Trainer:
                 await self.at_boundary()
                 if self.stopping:
                     break
+                self.phase = ("pull", f"a batch for step {self.state.step + 1} (PullBatch)", time.time())
                 batch = await self.next_batch()
                 if batch is None:
                     continue
                 async with self.step_lock:  # SaveCheckpoint waits for the step boundary
+                    self.phase = ("train", f"step {self.state.step + 1} training", time.time())
                     try:
                         metrics = await self.train_step(batch)
                     except StepAbandoned:
                         break  # not acked: the journal replays the batch after a restart
+                    self.phase = ("publish", f"weights version {self.state.step} published", time.time())
                     await self.publish_weights(metrics)
                     if self.state.step % self.cfg.checkpoint_every == 0:
                         self.save_checkpoint()
                         await self.ack_covered()
         finally:
             self.looping = False
+            self.phase = None
             async with self.boundary:
                 self.boundary.notify_all()  # a release waiting for a boundary applies it itself
 
@@ -280,17 +286,17 @@ class Trainer:
         ):
             self.journal.pulled_batch_ids.append(batch.batch_id)
             self.store.write_journal(self.journal)
+        confirm = getattr(self.source, "confirm_received", None)  # sources without receipts: none to send
+        if confirm is not None:
+            await confirm(batch.batch_id)
+        if batch.batch_id in self.state.trained_batch_ids:
+            return None
         return batch
 
     async def train_step(self, batch: PackedBatch) -> dict[str, float]:
         """One optimizer step over `batch` — streaming: over `batch` and the parts pulled after it while
         it trains — micro-batch by micro-batch, resizing at each boundary."""
         start = time.perf_counter()
-        confirm = getattr(self.source, "confirm_received", None)  # sources without receipts: none to send
-        if confirm is not None:
-            await confirm(batch.batch_id)
-        if batch.batch_id in self.state.trained_batch_ids:
-            return None
         self.step_in_progress = True
         begin_step(self.optimizer)
         if self.tp is not None and self.tp.size:
