@@ -1,6 +1,17 @@
 """Durable pull consumers of typed protobuf events (the Consumer guarantees of gyre/bus/nats_bus.py's
 docstring: ack after the handler, nak with a growing delay, dead-letter what does not decode,
 pipelined settling, identity checks). Started by `Bus.consume`, which is the only caller.
+
+Sized in bytes: each fetch is one JetStream pull request bounded by count *and* bytes
+(``max_bytes``, at least the server's max_payload), so a backlog of megabyte messages never piles
+more than the budget into the server's outbound buffer of this connection (the cause of "Slow
+Consumer" disconnects) or into this process. Messages are decoded in a worker thread.
+
+Parts: a message that is one part of a larger one (``Parts.key``, e.g. a StepEvent split by its
+producer) is held, unacknowledged and with its ack deadline extended, until every part arrived;
+the handler then gets the joined message, and all its parts are acked, redelivered or
+dead-lettered together. Parts whose siblings do not arrive within ``max_hold_s`` (their producer
+died mid-publication) are dead-lettered with that reason.
 """
 
 from __future__ import annotations
@@ -8,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -15,8 +28,10 @@ from typing import Any, Generic, Protocol, TypeVar
 import nats.errors
 import nats.js.errors
 from google.protobuf.message import DecodeError, Message
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext, api
 
 from gyre.bus.wire import (
     CONFLICT_LOG,
@@ -33,6 +48,100 @@ M = TypeVar("M", bound=Message)
 # A handler returns None when it is done with a batch, or an awaitable that completes when the batch
 # is done (e.g. its database commit): the consumer then hands it the next batch meanwhile.
 Handler = Callable[[list[M]], Awaitable[Awaitable[None] | None]]
+
+
+class Parts(Protocol[M]):
+    """How a consumer recognises and joins the parts of a message split by its producer."""
+
+    def key(self, msg: M) -> tuple[str, int, int] | None:
+        """(key shared by the parts of one message, part index, number of parts); None: a whole message."""
+
+    def join(self, parts: list[M]) -> M:
+        """The whole message of all its parts (any order); ValueError if they do not form one."""
+
+
+class BoundedPull:
+    """Pull requests on a durable consumer bounded by messages and bytes (the server stops a request
+    before the message that would exceed ``max_bytes``), read from this connection's own inbox."""
+
+    def __init__(self, nc: NatsClient, stream: str, durable: str, max_bytes: int) -> None:
+        self._nc = nc
+        self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.max_bytes = max_bytes
+        self._inbox = nc.new_inbox()
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        # Room for two requests in flight (a lingering one may still deliver while the next runs).
+        limit = 2 * self.max_bytes + (1 << 20)
+        self._sub = await self._nc.subscribe(self._inbox, pending_bytes_limit=limit, pending_msgs_limit=-1)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def fetch(self, batch: int, wait_s: float) -> list[Msg]:
+        """Up to `batch` messages of at most `max_bytes` in all: what is there now, else what arrives
+        within `wait_s` seconds (possibly nothing)."""
+        assert self._sub is not None, "start() first"
+        msgs = self._drain(batch)  # left by an earlier lingering request
+        if msgs:
+            return msgs
+        deadline = time.monotonic() + wait_s
+        await self._request(batch, no_wait=True)
+        msgs = await self._collect(batch, deadline, linger=False)
+        if msgs or time.monotonic() >= deadline:
+            return msgs
+        await self._request(batch, expires_s=max(0.01, deadline - time.monotonic() - 0.05))
+        return await self._collect(batch, deadline, linger=True)
+
+    async def _request(self, batch: int, *, no_wait: bool = False, expires_s: float = 0.0) -> None:
+        req: dict[str, object] = {"batch": batch, "max_bytes": self.max_bytes}
+        if no_wait:
+            req["no_wait"] = True
+        if expires_s:
+            req["expires"] = int(expires_s * 1e9)
+        await self._nc.publish(self._next, json.dumps(req).encode(), reply=self._inbox)
+
+    def _drain(self, batch: int) -> list[Msg]:
+        assert self._sub is not None
+        out: list[Msg] = []
+        queue = self._sub._pending_queue  # messages already received on the inbox
+        while len(out) < batch and not queue.empty():
+            msg = queue.get_nowait()
+            self._sub._pending_size -= len(msg.data)
+            if not JetStreamContext.is_status_msg(msg):
+                out.append(msg)
+        return out
+
+    async def _collect(self, batch: int, deadline: float, *, linger: bool) -> list[Msg]:
+        """Messages of the request just sent until it ends (a status: no messages, timeout, max bytes
+        reached), `batch` arrived, or the deadline; once one arrived, a lingering request waits at
+        most a moment for more."""
+        assert self._sub is not None
+        msgs: list[Msg] = []
+        size = 0
+        while len(msgs) < batch:
+            wait = deadline - time.monotonic()
+            if msgs and linger:
+                wait = min(wait, 0.05)
+            if wait <= 0:
+                break
+            try:
+                msg = await self._sub.next_msg(timeout=wait)
+            except (TimeoutError, nats.errors.TimeoutError):
+                break
+            status = JetStreamContext.is_status_msg(msg)
+            if status == api.StatusCode.CONTROL_MESSAGE:
+                continue
+            if status:
+                break  # 404 no messages, 408 request expired, 409 max bytes / max waiting: request over
+            msgs.append(msg)
+            size += len(msg.data)
+            if size >= self.max_bytes:
+                break
+        return msgs
 
 
 class ConsumerHost(Protocol):
@@ -63,7 +172,7 @@ class Consumer(Generic[M]):
     def __init__(
         self,
         bus: ConsumerHost,
-        sub: JetStreamContext.PullSubscription,
+        sub: BoundedPull,
         msg_type: type[M],
         handler: Handler[M],
         *,
@@ -73,9 +182,16 @@ class Consumer(Generic[M]):
         nak_delay_s: float,
         max_nak_delay_s: float,
         max_unsettled: int = 2,
+        parts: Parts[M] | None = None,
+        max_hold_s: float = 600.0,
     ) -> None:
         self._bus = bus
         self._sub = sub
+        self._parts = parts
+        self._max_hold_s = max_hold_s
+        # Part key -> (when its first part arrived, part index -> (its message, decoded)).
+        self._held: dict[str, tuple[float, dict[int, tuple[Msg, M]]]] = {}
+        self._held_keepalive: asyncio.Task[None] | None = None
         self._msg_type = msg_type
         self._handler = handler
         self.durable = durable
@@ -96,9 +212,15 @@ class Consumer(Generic[M]):
         self._stopping.set()
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
+        if self._held_keepalive is not None:
+            self._held_keepalive.cancel()
+        await self._sub.stop()
         self._bus.forget_consumer(self)
+
+    @property
+    def num_held(self) -> int:
+        """Parts held until their siblings arrive."""
+        return sum(len(parts) for _, parts in self._held.values())
 
     async def _run(self) -> None:
         """Fetch, then hand batches to the handler one after another, in fetch order.
@@ -143,9 +265,7 @@ class Consumer(Generic[M]):
         """One fetch of up to batch_size messages (empty after 1 s without any), with a task that
         keeps their ack deadline extended until the caller cancels it."""
         try:
-            msgs = await self._sub.fetch(self._batch_size, timeout=1.0)
-        except (TimeoutError, nats.errors.TimeoutError):
-            return [], None
+            msgs = await self._sub.fetch(self._batch_size, wait_s=1.0)
         except (
             nats.errors.ConnectionClosedError,
             nats.errors.ConnectionReconnectingError,
@@ -187,6 +307,87 @@ class Consumer(Generic[M]):
                 event_key,
             )
 
+    def _decode(self, msgs: list[Msg]) -> list[M | DecodeError]:
+        """Each message decoded, or the error it raised (run in a worker thread)."""
+        out: list[M | DecodeError] = []
+        for msg in msgs:
+            try:
+                out.append(self._msg_type.FromString(msg.data))
+            except DecodeError as exc:
+                out.append(exc)
+        return out
+
+    async def _terminate(self, msgs: list[Msg], code: str, reason: str) -> None:
+        """Dead-letter each of `msgs` (the original payload) with `reason` and terminate it."""
+        for msg in msgs:
+            await self._bus.dead_letter(
+                msg.subject,
+                msg.data,
+                self._msg_type.DESCRIPTOR.full_name,
+                code,
+                f"consumer {self.durable}: {reason}",
+            )
+            await msg.term()
+            self.stats.num_terminated += 1
+            CONSUMED.labels(self.durable, "term").inc()
+
+    async def _units(self, msgs: list[Msg]) -> list[tuple[list[Msg], M]]:
+        """The batch as (messages, decoded) units: a whole message alone, a split one once all its
+        parts arrived (held until then); undecodable messages and unjoinable parts dead-lettered."""
+        units: list[tuple[list[Msg], M]] = []
+        for msg, item in zip(msgs, await asyncio.to_thread(self._decode, msgs), strict=True):
+            if isinstance(item, DecodeError):
+                name = self._msg_type.DESCRIPTOR.full_name
+                await self._terminate([msg], "undecodable", f"{len(msg.data)} bytes are not a {name}: {item}")
+                continue
+            self._note_identity(msg)
+            key = self._parts.key(item) if self._parts is not None else None
+            if key is None:
+                units.append(([msg], item))
+                continue
+            assert self._parts is not None
+            group_key, index, count = key
+            _, held = self._held.setdefault(group_key, (time.monotonic(), {}))
+            held[index] = (msg, item)  # a redelivered part replaces its earlier delivery
+            if len(held) < count:
+                continue
+            del self._held[group_key]
+            parts = [held[i] for i in sorted(held)]
+            try:
+                joined = self._parts.join([d for _, d in parts])
+            except ValueError as exc:
+                await self._terminate([m for m, _ in parts], "bad_parts", str(exc))
+                continue
+            units.append(([m for m, _ in parts], joined))
+        await self._expire_held()
+        if self._held and self._held_keepalive is None:
+            self._held_keepalive = asyncio.create_task(self._keep_held())
+        return units
+
+    async def _expire_held(self) -> None:
+        """Dead-letter parts whose siblings did not arrive within max_hold_s."""
+        now = time.monotonic()
+        for key, (since, held) in list(self._held.items()):
+            if now - since > self._max_hold_s:
+                del self._held[key]
+                await self._terminate(
+                    [m for m, _ in held.values()],
+                    "incomplete_parts",
+                    f"{len(held)} parts of {key} waited {now - since:.0f} s for the rest (producer died mid-publication?)",
+                )
+
+    async def _keep_held(self) -> None:
+        """Extend the ack deadline of held parts while there are any."""
+        try:
+            while self._held:
+                await asyncio.sleep(self._ack_wait_s / 3)
+                for _, held in list(self._held.values()):
+                    for msg, _ in list(held.values()):
+                        with contextlib.suppress(Exception):
+                            await msg.in_progress()
+        finally:
+            self._held_keepalive = None
+
     async def _process(
         self, msgs: list[Msg], keepalive: asyncio.Task[None] | None
     ) -> asyncio.Task[None] | None:
@@ -194,37 +395,18 @@ class Consumer(Generic[M]):
         returned an awaitable: then a task is returned that settles the batch when it completes (and
         owns `keepalive` from then on)."""
         try:
-            decoded: list[M] = []
-            good: list[Msg] = []
-            for msg in msgs:
-                try:
-                    decoded.append(self._msg_type.FromString(msg.data))
-                    good.append(msg)
-                except DecodeError as exc:
-                    await self._bus.dead_letter(
-                        msg.subject,
-                        msg.data,
-                        self._msg_type.DESCRIPTOR.full_name,
-                        "undecodable",
-                        f"consumer {self.durable}: {len(msg.data)} bytes are not a "
-                        f"{self._msg_type.DESCRIPTOR.full_name}: {exc}",
-                    )
-                    await msg.term()
-                    self.stats.num_terminated += 1
-                    CONSUMED.labels(self.durable, "term").inc()
-                    continue
-                self._note_identity(msg)
-            if not good:
+            units = await self._units(msgs)
+            if not units:
                 return None
             try:
-                later = await self._handler(decoded)
+                later = await self._handler([item for _, item in units])
             except Exception as exc:
-                await self._refused_or_retry(good, decoded, exc)
+                await self._refused_or_retry(units, exc)
                 return None
             if later is None:
-                await self._ack(good)
+                await self._ack(units)
                 return None
-            task = asyncio.create_task(self._settle_later(good, decoded, later, keepalive))
+            task = asyncio.create_task(self._settle_later(units, later, keepalive))
             keepalive = None  # the settling task cancels it
             return task
         finally:
@@ -232,14 +414,14 @@ class Consumer(Generic[M]):
                 keepalive.cancel()
 
     async def _settle_later(
-        self, good: list[Msg], decoded: list[M], later: Awaitable[None], keepalive: asyncio.Task[None] | None
+        self, units: list[tuple[list[Msg], M]], later: Awaitable[None], keepalive: asyncio.Task[None] | None
     ) -> None:
         try:
             await later
         except Exception as exc:
-            await self._refused_or_retry(good, decoded, exc)
+            await self._refused_or_retry(units, exc)
         else:
-            await self._ack(good)
+            await self._ack(units)
         finally:
             if keepalive is not None:
                 keepalive.cancel()
@@ -248,67 +430,62 @@ class Consumer(Generic[M]):
         """Seconds before a nak'ed message is delivered again: doubling per delivery, capped."""
         return min(self._nak_delay_s * 2 ** (num_delivered - 1), self._max_nak_delay_s)
 
-    async def _ack(self, good: list[Msg]) -> None:
-        for msg in good:
-            await msg.ack()
-        self.stats.num_acked += len(good)
-        CONSUMED.labels(self.durable, "ack").inc(len(good))
+    async def _ack(self, units: list[tuple[list[Msg], M]]) -> None:
+        n = 0
+        for msgs, _ in units:
+            for msg in msgs:
+                await msg.ack()
+                n += 1
+        self.stats.num_acked += n
+        CONSUMED.labels(self.durable, "ack").inc(n)
 
-    async def _refused_or_retry(self, good: list[Msg], decoded: list[M], exc: Exception) -> None:
+    async def _nak(self, msgs: list[Msg], delay: float) -> None:
+        for msg in msgs:
+            await msg.nak(delay=delay)
+        self.stats.num_naked += len(msgs)
+        CONSUMED.labels(self.durable, "nak").inc(len(msgs))
+
+    async def _refused_or_retry(self, units: list[tuple[list[Msg], M]], exc: Exception) -> None:
         """The batch's handler raised `exc`: InvalidArgument -> find the refused messages one at a
         time; anything else -> redeliver the batch after a growing delay."""
         if isinstance(exc, InvalidArgument):
-            await self._one_by_one(good, decoded)
+            await self._one_by_one(units)
             return
         self.stats.num_handler_errors += 1
+        good = [m for msgs, _ in units for m in msgs]
         attempt = max(m.metadata.num_delivered for m in good)
         delay = self._redelivery_delay(attempt)
         log.error(
             "consumer %s: handler failed on a batch of %d (delivery %d); redelivering in %.2f s",
             self.durable,
-            len(good),
+            len(units),
             attempt,
             delay,
             exc_info=exc,
         )
-        for msg in good:
-            await msg.nak(delay=delay)
-        self.stats.num_naked += len(good)
-        CONSUMED.labels(self.durable, "nak").inc(len(good))
+        await self._nak(good, delay)
 
-    async def _one_by_one(self, msgs: list[Msg], decoded: list[M]) -> None:
+    async def _one_by_one(self, units: list[tuple[list[Msg], M]]) -> None:
         """Hand each message of a refused batch to the handler alone (handlers are idempotent, so what
         the batch call already did is harmless): acked if it passes, dead-lettered and terminated if
-        the handler raises InvalidArgument for it, nak'ed (redelivered) on any other error."""
-        for msg, item in zip(msgs, decoded, strict=True):
+        the handler raises InvalidArgument for it, nak'ed (redelivered) on any other error. A message
+        joined from parts is settled as one: all its parts together."""
+        for msgs, item in units:
             try:
                 later = await self._handler([item])
                 if later is not None:
                     await later
             except InvalidArgument as exc:
-                await self._bus.dead_letter(
-                    msg.subject,
-                    msg.data,
-                    self._msg_type.DESCRIPTOR.full_name,
-                    "refused_by_handler",
-                    f"consumer {self.durable}: {exc}",
-                )
-                await msg.term()
-                self.stats.num_terminated += 1
-                CONSUMED.labels(self.durable, "term").inc()
+                await self._terminate(msgs, "refused_by_handler", str(exc))
             except Exception:
                 self.stats.num_handler_errors += 1
-                delay = self._redelivery_delay(msg.metadata.num_delivered)
+                delay = self._redelivery_delay(max(m.metadata.num_delivered for m in msgs))
                 log.exception(
                     "consumer %s: handler failed on one message; redelivering in %.2f s", self.durable, delay
                 )
-                await msg.nak(delay=delay)
-                self.stats.num_naked += 1
-                CONSUMED.labels(self.durable, "nak").inc()
+                await self._nak(msgs, delay)
             else:
-                await msg.ack()
-                self.stats.num_acked += 1
-                CONSUMED.labels(self.durable, "ack").inc()
+                await self._ack([(msgs, item)])
 
     async def _extend_deadline(self, msgs: list[Msg]) -> None:
         while True:

@@ -46,9 +46,10 @@ from nats.aio.client import Client as NatsClient
 from nats.js import api
 
 from gyre.bus import auth, subjects
-from gyre.bus.consumer import Consumer, Handler, M
+from gyre.bus.consumer import BoundedPull, Consumer, Handler, M, Parts
 from gyre.bus.publisher import Publisher
 from gyre.bus.reader import REPLAY_IDLE_TIMEOUT_S, StoredMessage, follow, num_stored, replay
+from gyre.bus.steps import STEP_PARTS
 from gyre.bus.wire import (
     DEAD_CODE_HEADER,
     DEAD_LETTERS,
@@ -67,6 +68,7 @@ from gyre.bus.wire import (
     same_stream_config,
 )
 from gyre.errors import InvalidArgument, PayloadTooLarge, Unavailable
+from gyre.v1 import events_pb2
 
 # How long Bus.publish keeps repeating an unanswered publish (s): a JetStream leader election after a
 # cluster node dies takes a few seconds; a single server that stays down fails after this.
@@ -199,7 +201,7 @@ class Bus:
                 max_age=spec.max_age_s,
                 max_bytes=spec.max_bytes,
                 duplicate_window=subjects.DUPLICATE_WINDOW_S,
-                discard=api.DiscardPolicy.OLD,
+                discard=api.DiscardPolicy.NEW if spec.discard_new else api.DiscardPolicy.OLD,
                 num_replicas=replicas,
             )
             try:
@@ -355,6 +357,8 @@ class Bus:
         max_nak_delay_s: float = 30.0,
         deliver_new: bool = False,
         max_unsettled: int = 2,
+        fetch_max_bytes: int = 16 << 20,
+        parts: Parts[M] | None = None,
     ) -> Consumer[M]:
         """Start a durable pull consumer named `durable` on `subject_filter` (see the module docstring).
 
@@ -362,7 +366,9 @@ class Bus:
         the durable is first created: start at new messages instead of the stream's beginning.
         A redelivered batch waits `nak_delay_s * 2**(attempt-1)` seconds, at most `max_nak_delay_s`.
         `max_unsettled`: batches whose handler returned an awaitable that may wait for it at once
-        while the next batch is handed over.
+        while the next batch is handed over. `fetch_max_bytes`: bound of one fetch in bytes (at
+        least the server's max_payload is used), beside `batch_size` messages. `parts`: how split
+        messages are joined (default: StepEvent parts for StepEvent, none otherwise).
         """
         if batch_size < 1:
             raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
@@ -391,7 +397,10 @@ class Bus:
                 f"no answer creating consumer {durable} on {spec.name}: the server is slow, or this NATS user "
                 f"({self.name}) may not read that stream with a durable consumer (gyre.bus.auth)"
             ) from exc
-        sub = await self.js.pull_subscribe_bind(durable=durable, stream=spec.name)
+        sub = BoundedPull(self.nc, spec.name, durable, max(fetch_max_bytes, self.max_payload + (64 << 10)))
+        await sub.start()
+        if parts is None and msg_type is events_pb2.StepEvent:
+            parts = STEP_PARTS  # type: ignore[assignment]
         consumer: Consumer[M] = Consumer(
             self,
             sub,
@@ -403,6 +412,7 @@ class Bus:
             nak_delay_s=nak_delay_s,
             max_nak_delay_s=max_nak_delay_s,
             max_unsettled=max_unsettled,
+            parts=parts,
         )
         self._consumers.add(consumer)
         return consumer

@@ -39,6 +39,10 @@ PREFIX = "gyre"
 # Seconds during which a repeated Nats-Msg-Id is dropped by the stream (JetStream dedup window).
 DUPLICATE_WINDOW_S = 120.0
 
+# Byte budget of the step stream (GYRE_STEPS). Compact steps cost ~0.05 bytes per flat token, so this
+# holds about 10^11 tokens of history; when full the rollout's publisher waits (discard new).
+STEPS_MAX_BYTES = 8 << 30
+
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-:]+$")
 _DAY_S = 24 * 3600.0
 
@@ -79,6 +83,11 @@ def paths_scored(run_id: str) -> str:
     return f"{PREFIX}.paths.{_token(run_id, 'run_id')}.scored"
 
 
+def paths_dropped(run_id: str) -> str:
+    """A group that will never be trained, so its admission slot goes back (GroupDroppedEvent)."""
+    return f"{PREFIX}.paths.{_token(run_id, 'run_id')}.dropped"
+
+
 def weights(run_id: str) -> str:
     """A new weight version was published (WeightsPublishedEvent)."""
     return f"{PREFIX}.weights.{_token(run_id, 'run_id', last=True)}"
@@ -104,8 +113,11 @@ class StreamSpec:
     msg_type: type[Message]
     # Messages older than this are deleted (seconds); 0 keeps them until the byte limit.
     max_age_s: float
-    # The stream drops its oldest messages beyond this many bytes; -1 means no limit.
+    # The stream holds at most this many bytes; -1 means no limit. Beyond it the oldest messages are
+    # dropped, or with `discard_new` new publishes are refused (the publisher retries: back-pressure,
+    # nothing lost).
     max_bytes: int = -1
+    discard_new: bool = False
     description: str = ""
     # Services that read the stream (durable or tail); the NATS permissions of gyre.bus.auth follow it.
     consumers: tuple[str, ...] = field(default=())
@@ -146,10 +158,15 @@ STREAMS: tuple[StreamSpec, ...] = (
         subjects=(f"{PREFIX}.steps.>",),
         msg_type=events_pb2.StepEvent,
         max_age_s=7 * _DAY_S,
+        max_bytes=STEPS_MAX_BYTES,
+        discard_new=True,
         description=(
             "Rollout -> trajectory (durable), analytics (tail). The bulk stream: at-least-once, dedup "
             "by event_id; the trajectory store keys each step by (execution_id, step index) so a "
-            "redelivered step is stored once. Ordered per task subject."
+            "redelivered step is stored once. Ordered per task subject. Steps are compact (a reference "
+            "to the execution's previous call plus the new tokens) and at most ~1 MiB (longer ones in "
+            "parts, gyre.bus.steps). At most 8 GiB: when full, publishes are refused and the rollout "
+            "waits (never an unread step dropped); kept a week."
         ),
         consumers=("trajectory", "analytics"),
         producers=("rollout",),
@@ -160,11 +177,12 @@ STREAMS: tuple[StreamSpec, ...] = (
         msg_type=events_pb2.BatchReadyEvent,
         max_age_s=7 * _DAY_S,
         description=(
-            "Trajectory -> trainer (gyre.paths.<run>.batch, BatchReadyEvent) and analytics "
-            "(gyre.paths.<run>.scored, GroupScoredEvent). At-least-once, dedup by event_id; the trainer "
-            "pulls a batch by batch_id, which the trajectory service hands out once per consumer."
+            "Trajectory -> trainer (gyre.paths.<run>.batch, BatchReadyEvent), rollout (gyre.paths.<run>."
+            "dropped, GroupDroppedEvent: a group that will never be trained gives its admission slot back) "
+            "and analytics (gyre.paths.<run>.scored, GroupScoredEvent). At-least-once, dedup by event_id; "
+            "the trainer pulls a batch by batch_id, which the trajectory service hands out once per consumer."
         ),
-        consumers=("trainer", "analytics"),
+        consumers=("trainer", "rollout", "analytics"),
         producers=("trajectory",),
     ),
     StreamSpec(
@@ -216,6 +234,7 @@ STREAMS: tuple[StreamSpec, ...] = (
 )
 
 _SCORED_SUFFIX = ".scored"
+_DROPPED_SUFFIX = ".dropped"
 
 
 def stream_for(subject_filter: str) -> StreamSpec:
@@ -232,8 +251,11 @@ def stream_for(subject_filter: str) -> StreamSpec:
 
 
 def event_type_for(subject: str) -> type[Message]:
-    """Message type of a concrete subject (paths.<run>.scored carries GroupScoredEvent)."""
+    """Message type of a concrete subject (paths.<run>.scored carries GroupScoredEvent,
+    paths.<run>.dropped GroupDroppedEvent)."""
     spec = stream_for(subject)
     if spec.name == "GYRE_PATHS" and subject.endswith(_SCORED_SUFFIX):
         return events_pb2.GroupScoredEvent
+    if spec.name == "GYRE_PATHS" and subject.endswith(_DROPPED_SUFFIX):
+        return events_pb2.GroupDroppedEvent
     return spec.msg_type

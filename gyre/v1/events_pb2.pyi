@@ -87,7 +87,7 @@ class ExecutionEvent(_message.Message):
     def __init__(self, event_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., execution_id: _Optional[str] = ..., kind: _Optional[_Union[ExecutionEvent.Kind, str]] = ..., reward: _Optional[float] = ..., progress: _Optional[_Union[_common_pb2.ProgressSignal, _Mapping]] = ..., num_calls: _Optional[int] = ..., environment: _Optional[str] = ..., error: _Optional[str] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
 
 class StepEvent(_message.Message):
-    __slots__ = ("event_id", "run_id", "task_id", "group_id", "execution_id", "call_seq", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "completion_versions", "progress", "agent_id", "num_migrations", "engine_ids", "context_event", "started_unix_s", "finished_unix_s", "prompt_base_call_seq", "prompt_base_len")
+    __slots__ = ("event_id", "run_id", "task_id", "group_id", "execution_id", "call_seq", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "completion_versions", "progress", "agent_id", "num_migrations", "engine_ids", "context_event", "started_unix_s", "finished_unix_s", "prompt_base_call_seq", "prompt_base_len", "prompt_num_tokens", "prompt_crc32", "part_index", "num_parts")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,10 @@ class StepEvent(_message.Message):
     FINISHED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BASE_CALL_SEQ_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CRC32_FIELD_NUMBER: _ClassVar[int]
+    PART_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARTS_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     run_id: str
     task_id: str
@@ -126,7 +130,11 @@ class StepEvent(_message.Message):
     finished_unix_s: float
     prompt_base_call_seq: int
     prompt_base_len: int
-    def __init__(self, event_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., execution_id: _Optional[str] = ..., call_seq: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., completion_versions: _Optional[_Iterable[int]] = ..., progress: _Optional[_Union[_common_pb2.ProgressSignal, _Mapping]] = ..., agent_id: _Optional[str] = ..., num_migrations: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., context_event: _Optional[str] = ..., started_unix_s: _Optional[float] = ..., finished_unix_s: _Optional[float] = ..., prompt_base_call_seq: _Optional[int] = ..., prompt_base_len: _Optional[int] = ...) -> None: ...
+    prompt_num_tokens: int
+    prompt_crc32: int
+    part_index: int
+    num_parts: int
+    def __init__(self, event_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., execution_id: _Optional[str] = ..., call_seq: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., completion_versions: _Optional[_Iterable[int]] = ..., progress: _Optional[_Union[_common_pb2.ProgressSignal, _Mapping]] = ..., agent_id: _Optional[str] = ..., num_migrations: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., context_event: _Optional[str] = ..., started_unix_s: _Optional[float] = ..., finished_unix_s: _Optional[float] = ..., prompt_base_call_seq: _Optional[int] = ..., prompt_base_len: _Optional[int] = ..., prompt_num_tokens: _Optional[int] = ..., prompt_crc32: _Optional[int] = ..., part_index: _Optional[int] = ..., num_parts: _Optional[int] = ...) -> None: ...
 
 class BatchReadyEvent(_message.Message):
     __slots__ = ("event_id", "run_id", "batch_id", "num_trees", "num_paths", "num_tokens", "num_flat_tokens", "min_policy_version", "max_policy_version", "num_partial_paths", "created_unix_s")
@@ -181,6 +189,22 @@ class GroupScoredEvent(_message.Message):
     created_unix_s: float
     advantage_abs_max: float
     def __init__(self, event_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., num_paths: _Optional[int] = ..., num_exact_merged: _Optional[int] = ..., num_near_duplicates: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_partial: _Optional[int] = ..., created_unix_s: _Optional[float] = ..., advantage_abs_max: _Optional[float] = ...) -> None: ...
+
+class GroupDroppedEvent(_message.Message):
+    __slots__ = ("event_id", "run_id", "task_id", "group_id", "reason", "created_unix_s")
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    event_id: str
+    run_id: str
+    task_id: str
+    group_id: str
+    reason: str
+    created_unix_s: float
+    def __init__(self, event_id: _Optional[str] = ..., run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., reason: _Optional[str] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
 
 class WeightsPublishedEvent(_message.Message):
     __slots__ = ("event_id", "run_id", "weights", "metrics")

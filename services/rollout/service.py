@@ -31,7 +31,16 @@ from gyre.errors import ConfigError, InvalidArgument
 from gyre.lease_client import LeaseClient
 from gyre.pacing import Pacer
 from gyre.service import Runtime, Service
-from gyre.v1 import common_pb2, events_pb2, rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from gyre.v1 import (
+    common_pb2,
+    events_pb2,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    waits_pb2,
+)
+from gyre.waits import wait
 
 from .agent import Agent, AgentConfig, call_seed
 from .config import RolloutConfig
@@ -181,6 +190,7 @@ class RolloutService(Service):
                 timeout_s=v.request_timeout_s,
                 start_timeout_s=v.start_timeout_s,
                 sleep_level=v.sleep_level,
+                sleep_mode=v.platform_for(self.cfg.device_kind) == "cuda",
                 initial_weights=self.swapper.latest,
                 on_failure=self.restarter.on_failure if self.restarter is not None else None,  # type: ignore[arg-type]
             )
@@ -212,6 +222,13 @@ class RolloutService(Service):
         latest = self.swapper.latest
         if latest is not None and engine.weight_version < latest.version:
             await engine.load_weights(latest)
+
+    async def _on_groups_dropped(self, msgs: list[events_pb2.GroupDroppedEvent]) -> None:
+        """Give back the admission slot of each group of ours the trajectory service will not train."""
+        for ev in msgs:
+            if await self.executions.on_group_dropped(ev.group_id):
+                log.info("group %s will not be trained (%s): its admission slot is free again", ev.group_id,
+                         ev.reason)  # fmt: skip
 
     def _inject_engine_fault(self) -> None:
         """SIGUSR2 with rollout.fault_injection: fail the torch engine holding the most requests."""
@@ -248,7 +265,12 @@ class RolloutService(Service):
             self.router, self._started_engine, rt.spawn, max_restarts=cfg.engine_max_restarts,
             backoff_s=cfg.engine_restart_backoff_s, catch_up=self._catch_up,
         )  # fmt: skip
-        self.sink = BusStepSink(rt.bus, max_buffer=cfg.step_buffer, vocab_size=cfg.model.vocab_size)
+        self.sink = BusStepSink(
+            rt.bus,
+            max_buffer=cfg.step_buffer,
+            vocab_size=cfg.model.vocab_size,
+            max_step_bytes=cfg.step_max_bytes,
+        )
         rt.spawn(self.sink.run(), "step-publisher")
         if cfg.engine == "vllm" and not cfg.vllm.urls:
             await self._start_vllm_servers(rt)
@@ -288,6 +310,14 @@ class RolloutService(Service):
             self.swapper.handle,
             durable=f"rollout-{cfg.worker_id}-weights",
         )
+        if cfg.continuous and cfg.groups_per_version > 0:
+            # Groups the trajectory service will never train give their admission slot back.
+            await rt.bus.consume(
+                subjects.paths_dropped(run_id),
+                events_pb2.GroupDroppedEvent,
+                self._on_groups_dropped,
+                durable=f"rollout-{cfg.worker_id}-dropped",
+            )
         if cfg.fault_injection:
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, self._inject_engine_fault)
         if cfg.scheduler_address is None:
@@ -346,6 +376,9 @@ class RolloutService(Service):
             host=v.host,
             port=v.port,
             command=tuple(v.command),
+            python=v.python,
+            platform=v.platform_for(cfg.device_kind),
+            cpu_kv_cache_gib=v.cpu_kv_cache_gib,
             gpu_memory_utilization=v.gpu_memory_utilization,
             max_model_len=v.max_model_len or cfg.model.max_position_embeddings,
             seed=self.common.seed,
@@ -424,6 +457,25 @@ class RolloutService(Service):
                 for e in engines
             ],
         )
+
+    def waits(self) -> list[waits_pb2.Wait]:
+        """Admission waiting for a version, generations queued for an engine, engines not serving."""
+        out = []
+        if admission := self.executions.admission_wait():
+            out.append(wait("admission", admission))
+        elif not self.executions.live:
+            out.append(wait("executions", "no live execution and none waiting to start (a group's end or "
+                            "Rollout.StartExecutions starts one)"))  # fmt: skip
+        running = sum(e.num_active for e in self.router.engines.values())
+        if (queued := self.router.in_flight - running) > 0:
+            out.append(wait("generation", f"{queued} generations queued for an engine ({running} running)"))
+        if not self.router.engines:
+            out.append(wait("engines", "no engine: the rollout holds no device"))
+        latest = self.swapper.latest.version if self.swapper.latest is not None else 0
+        for e in self.router.engines.values():
+            if e.weight_version < latest:
+                out.append(wait("weights", f"engine {e.engine_id} at version {e.weight_version} of {latest}"))
+        return out
 
     def status(self) -> rollout_pb2.GetStatusResponse:
         c = self.executions.counters

@@ -1,7 +1,8 @@
 """`gyre trajectory export --execution ID [--config F | --address host:port]`: every call of an execution as JSON.
 
-With ``--address`` the running service answers (ExportExecution over gRPC). With ``--config`` (or
-GYRE_DATABASE_URL) the tree is rebuilt straight from Postgres, so it works with the service down.
+With ``--address`` the running service answers (ExportExecution over gRPC, streamed one call per
+message). With ``--config`` (or GYRE_DATABASE_URL) the tree is rebuilt straight from Postgres, so it
+works with the service down. Either way the JSON is written call by call as the calls arrive.
 """
 
 from __future__ import annotations
@@ -10,16 +11,26 @@ import argparse
 import asyncio
 import json
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 
-def _to_json(resp: Any) -> dict[str, Any]:
-    return {
-        "execution_id": resp.execution_id,
-        "task_id": resp.task_id,
-        "group_id": resp.group_id,
-        "calls": [
-            {
+class _JsonWriter:
+    """The ExportExecution stream written as one JSON object, call by call (never all in memory)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.opened = False
+
+    def add(self, msg: Any) -> None:
+        for c in msg.calls:
+            if not self.opened:
+                head = {"execution_id": msg.execution_id, "task_id": msg.task_id, "group_id": msg.group_id}
+                self.out.write(json.dumps(head)[:-1] + ', "calls": [')
+                self.opened = True
+            else:
+                self.out.write(", ")
+            call = {
                 "call_seq": c.call_seq,
                 "agent_id": c.agent_id,
                 "prompt_token_ids": list(c.prompt_token_ids),
@@ -27,21 +38,37 @@ def _to_json(resp: Any) -> dict[str, Any]:
                 "completion_logprobs": list(c.completion_logprobs),
                 "completion_versions": list(c.completion_versions),
             }
-            for c in resp.calls
-        ],
-    }
+            self.out.write(json.dumps(call))
+
+    def close(self) -> None:
+        self.out.write("]}\n" if self.opened else '{"calls": []}\n')
 
 
-async def _via_grpc(address: str, execution_id: str) -> Any:
+async def collect_export(stub: Any, execution_id: str) -> Any:
+    """The ExportExecution stream of `execution_id` as one ExportExecutionResponse holding every call
+    (for callers that want the whole execution in memory; the CLI streams instead)."""
+    from gyre.v1 import trajectory_pb2
+
+    whole = trajectory_pb2.ExportExecutionResponse()
+    async for msg in stub.ExportExecution(trajectory_pb2.ExportExecutionRequest(execution_id=execution_id)):
+        whole.execution_id, whole.task_id, whole.group_id = msg.execution_id, msg.task_id, msg.group_id
+        whole.calls.extend(msg.calls)
+    return whole
+
+
+async def _via_grpc(address: str, execution_id: str, writer: _JsonWriter) -> None:
     from gyre import rpc
     from gyre.v1 import trajectory_pb2, trajectory_pb2_grpc
 
     async with rpc.channel(address) as channel:
         stub = trajectory_pb2_grpc.TrajectoryStub(channel)
-        return await stub.ExportExecution(trajectory_pb2.ExportExecutionRequest(execution_id=execution_id))
+        async for msg in stub.ExportExecution(
+            trajectory_pb2.ExportExecutionRequest(execution_id=execution_id)
+        ):
+            writer.add(msg)
 
 
-def _via_database(config: str | None, execution_id: str) -> Any:
+def _via_database(config: str | None, execution_id: str) -> Iterator[Any]:
     from gyre import store
     from gyre.config import load_common, load_section
     from gyre.errors import ConfigError
@@ -58,7 +85,7 @@ def _via_database(config: str | None, execution_id: str) -> Any:
     try:
         core = TrajectoryCore(common.run_id, cfg, engine)
         core.load()
-        return core.export(execution_id)
+        yield from core.export(execution_id)
     finally:
         engine.dispose()
 
@@ -77,11 +104,13 @@ def main(argv: list[str]) -> int:
 
     from gyre.errors import GyreError
 
+    writer = _JsonWriter(sys.stdout)
     try:
         if args.address:
-            resp = asyncio.run(_via_grpc(args.address, args.execution))
+            asyncio.run(_via_grpc(args.address, args.execution, writer))
         else:
-            resp = _via_database(args.config, args.execution)
+            for msg in _via_database(args.config, args.execution):
+                writer.add(msg)
     except GyreError as exc:
         print(f"gyre trajectory export: {exc}", file=sys.stderr)
         return 1
@@ -89,6 +118,5 @@ def main(argv: list[str]) -> int:
         details = getattr(exc, "details", None)
         print(f"gyre trajectory export: {details() if callable(details) else exc}", file=sys.stderr)
         return 1
-    json.dump(_to_json(resp), sys.stdout)
-    sys.stdout.write("\n")
+    writer.close()
     return 0

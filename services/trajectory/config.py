@@ -110,7 +110,16 @@ class TrajectoryConfig(ConfigModel):
     )
     shingle_size: int = Field(4, ge=1, description="Tokens per action shingle for near-duplicate detection.")
     ingest_batch_size: int = Field(
-        512, ge=1, description="Steps fetched from JetStream and committed to Postgres at once."
+        512, ge=1, description="Steps fetched from JetStream and committed to Postgres at once (at most)."
+    )
+    ingest_fetch_max_bytes: int = Field(
+        16 << 20,
+        ge=1 << 20,
+        description=(
+            "Bytes of one JetStream fetch of steps (besides ingest_batch_size; at least the server's "
+            "max_payload is used): keeps a backlog of large steps under the NATS server's pending limit "
+            "of this connection (no slow-consumer disconnects) and bounds the memory of a batch."
+        ),
     )
     durable_name: str = Field(
         "trajectory",

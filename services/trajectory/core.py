@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Iterator
 
 import sqlalchemy as sa
 
@@ -45,6 +46,7 @@ from services.trajectory.state import (
     progress_from_pb,
 )
 from services.trajectory.store import TrajectoryStore
+from services.trajectory.tree import TaskTree
 
 __all__ = ["TrajectoryCore", "progress_from_pb", "typed_stats", "validate_step"]
 
@@ -70,27 +72,40 @@ class TrajectoryCore:
         self.state.load(self.store)
 
     # ------------------------------------------------------------------ queries
-    def export(self, execution_id: str) -> trajectory_pb2.ExportExecutionResponse:
-        """Every stored call of one execution, exactly as it was sent; NotFound if none."""
+    def export(self, execution_id: str) -> Iterator[trajectory_pb2.ExportExecutionResponse]:
+        """Every stored call of one execution, exactly as it was sent, one message per call in call_seq
+        order, each rebuilt when it is asked for (a 1M-token execution never becomes one message);
+        NotFound (raised here, before the first message) if there is none."""
         info = self.state.executions.get(execution_id)
         tree = self.state.trees.get(info.task_id) if info else None
         if info is None or tree is None or execution_id not in tree.calls_by_execution:
             raise NotFound(f"execution {execution_id!r} has no stored calls in run {self.run_id!r}")
-        resp = trajectory_pb2.ExportExecutionResponse(
-            execution_id=execution_id, task_id=info.task_id, group_id=info.group_id
-        )
-        for c in tree.export_execution(execution_id):
-            resp.calls.append(
-                trajectory_pb2.ExportedCall(
-                    call_seq=c.call_seq,
-                    prompt_token_ids=c.prompt_token_ids.tolist(),
-                    completion_token_ids=c.completion_token_ids.tolist(),
-                    completion_logprobs=c.completion_logprobs.tolist(),
-                    completion_versions=c.completion_versions.tolist(),
-                    agent_id=c.agent_id,
-                )
+        return self._export_calls(tree, execution_id, info.task_id, info.group_id)
+
+    @staticmethod
+    def _export_calls(
+        tree: TaskTree, execution_id: str, task_id: str, group_id: str
+    ) -> Iterator[trajectory_pb2.ExportExecutionResponse]:
+        calls = tree.calls_by_execution.get(execution_id, {})
+        for seq in sorted(calls):
+            if (rec := calls.get(seq)) is None:
+                continue
+            c = tree.export_call(rec)
+            yield trajectory_pb2.ExportExecutionResponse(
+                execution_id=execution_id,
+                task_id=task_id,
+                group_id=group_id,
+                calls=[
+                    trajectory_pb2.ExportedCall(
+                        call_seq=c.call_seq,
+                        prompt_token_ids=c.prompt_token_ids.tolist(),
+                        completion_token_ids=c.completion_token_ids.tolist(),
+                        completion_logprobs=c.completion_logprobs.tolist(),
+                        completion_versions=c.completion_versions.tolist(),
+                        agent_id=c.agent_id,
+                    )
+                ],
             )
-        return resp
 
     async def stats(self) -> dict[str, float]:
         """Counters since start, sizes of the in-memory state and row counts in Postgres."""

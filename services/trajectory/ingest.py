@@ -16,6 +16,12 @@ Idempotence: a step is keyed by (execution_id, call_seq); one already held is co
 duplicate and changes nothing. A compact step whose base call is not stored yet is counted as
 waiting (the caller has it redelivered). Invalid steps are stored as rejections with their reason,
 and the rest of their batch is stored. Execution end events keep the first ending.
+
+Compact steps (gyre.bus.steps): the prompt is rebuilt from the base call's sequence in the tree and
+checked against the producer's length and CRC-32. A reference that cannot be resolved - not an
+earlier call, a base length beyond the base call, a rebuilt prompt that fails its check, or a base
+call still missing after `BASE_WAIT_LIMIT` deliveries - is never stored approximately: the step is
+rejected with the reason and handed to `on_unresolved` (the service dead-letters it).
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import logging
 import math
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from gyre.bus.steps import prompt_check, rebuild_prompt, reference_problem
 from gyre.errors import InvalidArgument
 from gyre.v1 import events_pb2, trajectory_pb2
 from gyre.validation import step_problem
@@ -63,6 +71,11 @@ _ENDINGS = {
 Rejection = tuple[str, str, str, bytes]  # kind, key, error, payload
 # Tokens of the latest call of each recent execution kept by StepIngest (4 bytes each): 64 MiB.
 REMEMBERED_TOKENS = 16 * 1024 * 1024
+# Deliveries a compact step may wait for its base call before it is refused as unresolvable (with the
+# consumer's doubling redelivery delay capped at 30 s: about eight minutes).
+BASE_WAIT_LIMIT = 20
+# Called with a step whose compact reference cannot be resolved and the reason (after the commit).
+Unresolved = Callable[[events_pb2.StepEvent, str], Awaitable[None]]
 
 
 def validate_step(step: events_pb2.StepEvent) -> np.ndarray:
@@ -171,6 +184,9 @@ class StepIngest:
         # state makes new records), so a stale or evicted entry only costs the rebuild from the tree.
         self._last_sequences: OrderedDict[str, tuple[CallRecord, np.ndarray]] = OrderedDict()
         self._remembered_tokens = 0
+        # (execution_id, call_seq) -> deliveries a compact step has waited for its base call.
+        self._waits: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self.on_unresolved: Unresolved | None = None
 
     # ------------------------------------------------------------------ steps
     async def ingest_steps(self, steps: list[events_pb2.StepEvent]) -> trajectory_pb2.IngestSummary:
@@ -188,9 +204,15 @@ class StepIngest:
         before this one is committed: commits are applied in the same order (CommitQueue)."""
         summary = trajectory_pb2.IngestSummary(num_received=len(steps))
         decoded, rejected = await asyncio.to_thread(decode_steps, steps, self.run_id)
+        unresolved: list[tuple[events_pb2.StepEvent, str]] = []
         async with self.commits.lock:
-            batch = self._insert(decoded, rejected, summary)
+            batch = self._insert(decoded, rejected, summary, unresolved)
             gen, fut = self.commits.submit(self.store.commit_steps, batch)
+        if unresolved:
+            self.counters["steps_unresolved"] += len(unresolved)
+            if self.on_unresolved is not None:
+                for step, reason in unresolved:
+                    await self.on_unresolved(step, reason)
 
         async def committed() -> None:
             await self.commits.wait(gen, fut, lock_held=False)
@@ -208,9 +230,14 @@ class StepIngest:
         batch.rejections.append(r)
 
     def _insert(
-        self, decoded: list[DecodedStep], rejected: list[Rejection], summary: trajectory_pb2.IngestSummary
+        self,
+        decoded: list[DecodedStep],
+        rejected: list[Rejection],
+        summary: trajectory_pb2.IngestSummary,
+        unresolved: list[tuple[events_pb2.StepEvent, str]],
     ) -> StepBatch:
-        """Match each step against its task's tree and insert it (memory only; lock held, no await)."""
+        """Match each step against its task's tree and insert it (memory only; lock held, no await).
+        Compact steps whose reference cannot be resolved are rejected and added to `unresolved`."""
         st = self.state
         batch = StepBatch()
         for r in rejected:
@@ -239,26 +266,32 @@ class StepIngest:
             prompt = d.prompt
             known_prefix: tuple[Node, int] | None
             if step.HasField("prompt_base_call_seq"):
+                key = (step.execution_id, step.call_seq)
                 base = tree.calls.get((step.execution_id, step.prompt_base_call_seq))
-                if base is None:
-                    summary.num_waiting += 1
-                    continue
-                if (
-                    not 0 <= step.prompt_base_len <= base.total_len
-                    or step.prompt_base_call_seq >= step.call_seq
-                ):
-                    self._reject(
-                        summary,
-                        batch,
-                        _rejection(
-                            step,
-                            f"step {step.execution_id}.{step.call_seq}: prompt_base_len {step.prompt_base_len} must lie in "
-                            f"[0, {base.total_len}] and prompt_base_call_seq {step.prompt_base_call_seq} must be an earlier call",
-                        ),
+                problem = reference_problem(step, None if base is None else base.total_len)
+                if base is None and 0 <= step.prompt_base_call_seq < step.call_seq:
+                    waits = self._waits[key] = self._waits.get(key, 0) + 1
+                    self._waits.move_to_end(key)
+                    while len(self._waits) > 100_000:
+                        self._waits.popitem(last=False)
+                    if waits < BASE_WAIT_LIMIT:
+                        summary.num_waiting += 1
+                        continue
+                    problem = f"{problem} after {waits} deliveries: the reference cannot be resolved"
+                if base is not None and problem is None:
+                    last = self._last_sequences.get(step.execution_id)
+                    base_seq = (
+                        last[1] if last is not None and last[0] is base else tree.sequence(base.end_node)
                     )
+                    prompt = rebuild_prompt(step, base_seq)
+                problem = problem or prompt_check(step, prompt)
+                if problem is not None:
+                    self._waits.pop(key, None)
+                    self._reject(summary, batch, _rejection(step, problem))
+                    unresolved.append((step, problem))
                     continue
-                head = tree.sequence(base.end_node)[: step.prompt_base_len]
-                prompt = np.concatenate([head, prompt])
+                self._waits.pop(key, None)
+                assert base is not None
                 known_prefix = (base.end_node, step.prompt_base_len)
             else:
                 last = self._last_sequences.get(step.execution_id)

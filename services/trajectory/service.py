@@ -28,10 +28,12 @@ from gyre.bus import Bus, Consumer, subjects
 from gyre.config import CommonConfig
 from gyre.errors import Unavailable
 from gyre.service import Runtime, Service
-from gyre.v1 import events_pb2, trajectory_pb2, trajectory_pb2_grpc
+from gyre.v1 import events_pb2, trajectory_pb2, trajectory_pb2_grpc, waits_pb2
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.core import TrajectoryCore, typed_stats
+from services.trajectory.drops import DropAnnouncer
 from services.trajectory.validation import MAX_PULL_WAIT_S, StepGate
+from services.trajectory.waits import trajectory_waits
 
 log = logging.getLogger("gyre.trajectory")
 
@@ -111,8 +113,11 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
     @rpc.error_boundary
     async def ExportExecution(  # noqa: N802
         self, request: trajectory_pb2.ExportExecutionRequest, context: grpc.aio.ServicerContext
-    ) -> trajectory_pb2.ExportExecutionResponse:
-        return self.core.export(request.execution_id)
+    ) -> AsyncIterator[trajectory_pb2.ExportExecutionResponse]:
+        # One call per message, each built when it is sent: memory and message size O(one call).
+        for message in self.core.export(request.execution_id):
+            yield message
+            await asyncio.sleep(0)  # let ingest run between calls of a long execution
 
     @rpc.error_boundary
     async def GetStats(  # noqa: N802
@@ -136,6 +141,7 @@ class TrajectoryService(Service):
         self.gate: StepGate | None = None
         self.consumers: list[Consumer[Any]] = []
         self.bus: Bus | None = None
+        self.drops = DropAnnouncer(common.run_id)
         self._stopping = asyncio.Event()
 
     async def start(self, rt: Runtime) -> None:
@@ -153,6 +159,25 @@ class TrajectoryService(Service):
             await rt.bus.dead_letter(subject, payload, type_name, code, reason, service=self.name)
 
         gate = self.gate = StepGate(run_id, self.cfg, dead_letter)
+
+        async def unresolved(step: events_pb2.StepEvent, reason: str) -> None:
+            kept = events_pb2.StepEvent()
+            kept.CopyFrom(step)
+            if kept.ByteSize() > rt.bus.max_payload // 2:  # too large to dead-letter whole: ids and reason
+                for name in (
+                    "prompt_token_ids",
+                    "completion_token_ids",
+                    "completion_logprobs",
+                    "completion_versions",
+                ):
+                    kept.ClearField(name)  # type: ignore[arg-type]
+                reason += " (token lists left out of this dead letter: too large)"
+            subject = subjects.steps(step.run_id, step.task_id)
+            await dead_letter(
+                subject, kept.SerializeToString(), "gyre.v1.StepEvent", "unresolved_reference", reason
+            )
+
+        core.ingest.on_unresolved = unresolved
         trajectory_pb2_grpc.add_TrajectoryServicer_to_server(TrajectoryServicer(core, gate), rt.server)
         run = self.common.run_id
         durable = self.cfg.durable_name
@@ -185,6 +210,7 @@ class TrajectoryService(Service):
                 self._on_steps,
                 durable=f"{durable}-{run}-steps",
                 batch_size=self.cfg.ingest_batch_size,
+                fetch_max_bytes=self.cfg.ingest_fetch_max_bytes,
             )
         )
         rt.spawn(self._poll_loop(), name="trajectory-poll")
@@ -235,6 +261,10 @@ class TrajectoryService(Service):
             await self.bus.publish(subjects.paths_scored(run), ev, msg_id=ev.event_id)
         while (ready := await self.core.batching.build_announced_batch()) is not None:
             await self.bus.publish(subjects.paths_batch(run), ready, msg_id=ready.event_id)
+        # Groups that will never be trained give their admission slot back (services/trajectory/drops.py).
+        for dropped in self.drops.new_drops(self.core.state):
+            await self.bus.publish(subjects.paths_dropped(run), dropped, msg_id=dropped.event_id)
+            self.drops.published(dropped.group_id)
 
     async def _poll_loop(self) -> None:
         while not self._stopping.is_set():
@@ -243,6 +273,10 @@ class TrajectoryService(Service):
                 await asyncio.wait_for(self._stopping.wait(), timeout=self.cfg.ready_poll_s)
             except TimeoutError:
                 pass
+
+    def waits(self) -> list[waits_pb2.Wait]:
+        """Open groups and what holds them, scored groups not batched (services/trajectory/waits.py)."""
+        return trajectory_waits(self.core.state, self.cfg.group_size) if self.core is not None else []
 
     async def stop(self) -> None:
         self._stopping.set()

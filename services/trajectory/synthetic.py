@@ -278,21 +278,10 @@ def end_event(run_id: str, ex: GeneratedExecution, reward: float | None = None) 
 
 
 def compact_step_events(run_id: str, calls: list[GeneratedCall]) -> list[Any]:
-    """StepEvents of one execution with compact prompts: each names the previous call as its base
-    and carries only the tokens after the longest common prefix with that call's sequence."""
-    out = []
-    prev: np.ndarray | None = None
-    for c in sorted(calls, key=lambda c: c.call_seq):
-        ev = step_event(run_id, c)
-        if prev is not None:
-            m = min(len(prev), len(c.prompt))
-            diff = np.flatnonzero(prev[:m] != c.prompt[:m])
-            common = int(diff[0]) if len(diff) else m
-            if common > 0:
-                ev.prompt_base_call_seq = c.call_seq - 1
-                ev.prompt_base_len = common
-                del ev.prompt_token_ids[:]
-                ev.prompt_token_ids.extend(c.prompt[common:].tolist())
-        out.append(ev)
-        prev = np.concatenate([c.prompt, c.completion])
-    return out
+    """StepEvents of one execution as rollout publishes them (gyre.bus.steps.StepCompactor): each names
+    the previous call as its base and carries only the tokens after the longest common prefix with
+    that call's sequence, plus the full prompt's length and CRC-32."""
+    from gyre.bus.steps import StepCompactor
+
+    compactor = StepCompactor()
+    return [compactor.compact(step_event(run_id, c)) for c in sorted(calls, key=lambda c: c.call_seq)]

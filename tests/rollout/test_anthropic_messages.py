@@ -38,6 +38,7 @@ from services.rollout.engines.torch_engine import TorchEngine
 from services.rollout.openai import OpenAIEndpoint, create_app, issue_execution_endpoint, serve
 from services.rollout.router import Router
 from services.rollout.steps import BusStepSink, MemoryStepSink
+from services.trajectory.cli import collect_export
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.service import TrajectoryService
 from tests.helpers.tiny_hf import fine_tune, tiny_qwen2_dir
@@ -173,9 +174,7 @@ async def _exported(port: int, execution_id: str, n: int) -> trajectory_pb2.Expo
     try:
         while True:
             try:
-                exported = await stub.ExportExecution(
-                    trajectory_pb2.ExportExecutionRequest(execution_id=execution_id)
-                )
+                exported = await collect_export(stub, execution_id)
                 if len(exported.calls) == n:
                     return exported
             except Exception:

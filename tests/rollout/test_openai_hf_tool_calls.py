@@ -27,11 +27,12 @@ from gyre.config import CommonConfig
 from gyre.model.hf import read_hf_config
 from gyre.service import Runtime
 from gyre.tokenizers import load_tokenizer
-from gyre.v1 import trajectory_pb2, trajectory_pb2_grpc
+from gyre.v1 import trajectory_pb2_grpc
 from services.rollout.engines.torch_engine import TorchEngine
 from services.rollout.openai import OpenAIEndpoint, create_app, issue_execution_endpoint, serve
 from services.rollout.router import Router
 from services.rollout.steps import BusStepSink
+from services.trajectory.cli import collect_export
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.service import TrajectoryService
 from tests.helpers.tiny_hf import fine_tune, tiny_qwen2_dir
@@ -203,9 +204,7 @@ async def test_openai_client_streams_parallel_tool_calls_and_the_stored_tokens_a
         deadline = time.monotonic() + 60
         while True:
             try:
-                exported = await stub.ExportExecution(
-                    trajectory_pb2.ExportExecutionRequest(execution_id="weather-e0")
-                )
+                exported = await collect_export(stub, "weather-e0")
                 if len(exported.calls) == 2:
                     break
             except Exception:

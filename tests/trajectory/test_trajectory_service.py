@@ -19,6 +19,7 @@ from gyre.bus import Bus, subjects
 from gyre.config import CommonConfig
 from gyre.service import Runtime
 from gyre.v1 import common_pb2, events_pb2, trajectory_pb2, trajectory_pb2_grpc
+from services.trajectory.cli import collect_export
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.service import TrajectoryService
 from services.trajectory.synthetic import WorkloadConfig, end_event, generate, step_event
@@ -119,9 +120,7 @@ async def test_steps_on_nats_are_stored_once_despite_duplicates_and_disorder(nat
         assert (summary.num_stored, summary.num_duplicates) == (0, len(calls))
         # Lossless: export gives back every call exactly.
         ex = execs[0]
-        resp = await run.stub.ExportExecution(
-            trajectory_pb2.ExportExecutionRequest(execution_id=ex.execution_id)
-        )
+        resp = await collect_export(run.stub, ex.execution_id)
         assert [list(c.prompt_token_ids) for c in resp.calls] == [c.prompt.tolist() for c in ex.calls]
         assert [list(c.completion_token_ids) for c in resp.calls] == [c.completion.tolist() for c in ex.calls]
         assert [list(c.completion_logprobs) for c in resp.calls] == [c.logprobs.tolist() for c in ex.calls]
@@ -173,9 +172,7 @@ async def test_pull_batch_hands_each_path_out_once_even_across_a_restart(nats_ur
         await asyncio.sleep(0.5)  # let the restarted service consume and poll whatever it sees again
         assert await pull(run, wait_s=0.5) == []
         # The tree was rebuilt from Postgres: every call still exports exactly.
-        resp = await run.stub.ExportExecution(
-            trajectory_pb2.ExportExecutionRequest(execution_id=execs[1].execution_id)
-        )
+        resp = await collect_export(run.stub, execs[1].execution_id)
         assert [list(c.prompt_token_ids) + list(c.completion_token_ids) for c in resp.calls] == [
             c.prompt.tolist() + c.completion.tolist() for c in execs[1].calls
         ]
@@ -255,7 +252,7 @@ async def test_unknown_batch_and_execution_are_not_found(nats_url, database_url)
     run = await start(nats_url, database_url, unique_run())
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await run.stub.ExportExecution(trajectory_pb2.ExportExecutionRequest(execution_id="nope"))
+            await collect_export(run.stub, "nope")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await pull(run, resume_batch_id="nope")
@@ -280,9 +277,7 @@ async def test_compact_steps_rebuild_exact_prompts_and_wait_for_their_base_call(
         for s in reversed(compact):
             await run.bus.publish(subjects.steps(run_id, s.task_id), s, msg_id=s.event_id)
         await wait_for(lambda: _stored(run, len(compact)), timeout_s=60)
-        resp = await run.stub.ExportExecution(
-            trajectory_pb2.ExportExecutionRequest(execution_id=ex.execution_id)
-        )
+        resp = await collect_export(run.stub, ex.execution_id)
         assert [list(c.prompt_token_ids) for c in resp.calls] == [c.prompt.tolist() for c in ex.calls]
         assert [list(c.completion_token_ids) for c in resp.calls] == [c.completion.tolist() for c in ex.calls]
     finally:
@@ -440,8 +435,8 @@ async def test_a_failed_commit_changes_nothing_and_the_retried_batch_is_stored_e
     fresh = TrajectoryCore("r", TrajectoryConfig(), engine)
     await asyncio.to_thread(fresh.load)
     assert fresh.state.trees[execs[0].task_id].num_tokens == expected.num_tokens
-    resp = fresh.export(execs[0].execution_id)
-    assert [list(c.prompt_token_ids) for c in resp.calls] == [c.prompt.tolist() for c in execs[0].calls]
+    calls = [c for m in fresh.export(execs[0].execution_id) for c in m.calls]
+    assert [list(c.prompt_token_ids) for c in calls] == [c.prompt.tolist() for c in execs[0].calls]
     engine.dispose()
 
 
