@@ -11,6 +11,7 @@ from typing import Any
 
 from app.job.analysis import ROLES, STALL_ZERO_VARIANCE, RunAnalysis
 from app.job.busy import BusyTime
+from app.job.faults import Mark
 
 ROLE_COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "switching": "#C44E52", "idle": "#BBBBBB"}
 
@@ -170,12 +171,62 @@ def _busy_bars(a: RunAnalysis, busy: BusyTime, device: str) -> list[tuple[float,
     return bars
 
 
-def plot_device_roles(a: RunAnalysis, path: Path, busy: BusyTime | None = None) -> Path:
+FAULT_COLOR = "#D62728"
+FAULT_ROW_H = 0.32  # a row of fault labels above the lanes, in lane units
+
+
+def _fault_label_rows(marks: list[Mark], span_s: float) -> list[int]:
+    """The label row of each fault: the first row where it does not overlap the label before it
+    (a label's width estimated from its length: 7-point text on the 9-inch plot)."""
+    ends: list[float] = []
+    rows = []
+    for m in marks:
+        width = (len(m.label) + 1) * 0.0072 * span_s
+        row = next((i for i, end in enumerate(ends) if end < m.t_s), len(ends))
+        if row == len(ends):
+            ends.append(0.0)
+        ends[row] = m.t_s + width
+        rows.append(row)
+    return rows
+
+
+def _mark_faults(ax: Any, marks: list[Mark], span_s: float, top: float) -> None:
+    """A red line at each fault over a light span until it was back (the run's end when it never
+    was; a stall's span is hatched), labelled with what it hit in rows above the lanes (`top`)."""
+    for m, row in zip(marks, _fault_label_rows(marks, span_s), strict=True):
+        until = max(span_s if m.until_s is None else m.until_s, m.t_s)
+        ax.axvspan(
+            m.t_s,
+            until,
+            color=FAULT_COLOR,
+            alpha=0.18,
+            lw=0,
+            zorder=2.5,
+            hatch=None if m.kind == "fault" else "//",
+        )
+        ax.axvline(m.t_s, color=FAULT_COLOR, lw=1.2, zorder=3)
+        ax.text(
+            m.t_s,
+            top + (row + 0.5) * FAULT_ROW_H,
+            f" {m.label}",
+            va="center",
+            ha="left",
+            fontsize=7,
+            color=FAULT_COLOR,
+        )
+
+
+def plot_device_roles(
+    a: RunAnalysis, path: Path, busy: BusyTime | None = None, faults: list[Mark] | None = None
+) -> Path:
     """Which device did rollout or training when (from lease events), with weight publications; where
-    the workers logged busy time, the time each device computed is drawn dark inside its lease."""
+    the workers logged busy time, the time each device computed is drawn dark inside its lease; each
+    fault (app.job.faults) a red line, shaded until its target served again."""
     plt = _pyplot()
     devices = sorted({s.device_id for s in a.segments})
-    fig, ax = plt.subplots(figsize=(9, 0.5 * max(len(devices), 1) + 1.6))
+    marks = faults or []
+    num_label_rows = max(_fault_label_rows(marks, a.duration_s), default=-1) + 1
+    fig, ax = plt.subplots(figsize=(9, 0.5 * max(len(devices), 1) + 1.6 + 0.18 * num_label_rows))
     for i, device in enumerate(devices):
         for role in ROLES:
             bars = [
@@ -189,6 +240,9 @@ def plot_device_roles(a: RunAnalysis, path: Path, busy: BusyTime | None = None) 
             ax.broken_barh(_busy_bars(a, busy, device), (i - 0.15, 0.3), facecolors="#222222")
     for r in a.steps[1:]:
         ax.axvline(r.start_s, color="black", lw=0.5, alpha=0.3)
+    top = len(devices) - 0.5
+    _mark_faults(ax, marks, a.duration_s, top)
+    ax.set_ylim(-0.5, top + num_label_rows * FAULT_ROW_H)
     ax.set_yticks(range(len(devices)), devices)
     ax.set_xlabel("seconds since run start (thin lines: new weight version)")
     ax.set_title(f"Device roles — policy {a.policy or '?'}, {a.num_reassignments} reassignments")
@@ -197,6 +251,9 @@ def plot_device_roles(a: RunAnalysis, path: Path, busy: BusyTime | None = None) 
     if busy is not None and busy.logged:
         handles.append(plt.Rectangle((0, 0), 1, 1, color="#222222"))
         labels.append("busy (computing)")
+    if marks:
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor=FAULT_COLOR, alpha=0.3, edgecolor=FAULT_COLOR))
+        labels.append("fault, until back")
     ax.legend(handles, labels, ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     ax.set_xlim(0, max(a.duration_s, 1e-6))
     return _save(plt, fig, path)
@@ -272,13 +329,15 @@ def plot_time_breakdown(a: RunAnalysis, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
-def write_all(a: RunAnalysis, out_dir: Path, busy: BusyTime | None = None) -> dict[str, Path]:
-    """Every figure of the report, named by what it shows."""
+def write_all(
+    a: RunAnalysis, out_dir: Path, busy: BusyTime | None = None, faults: list[Mark] | None = None
+) -> dict[str, Path]:
+    """Every figure of the report, named by what it shows (`faults`: marked on the device plot)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     return {
         "reward": plot_reward(a, out_dir / "reward.png"),
         "learning_health": plot_learning_health(a, out_dir / "learning_health.png"),
-        "device_roles": plot_device_roles(a, out_dir / "device_roles.png", busy),
+        "device_roles": plot_device_roles(a, out_dir / "device_roles.png", busy, faults),
         "tree_dedup": plot_tree_and_dedup(a, out_dir / "tree_dedup.png"),
         "staleness": plot_staleness(a, out_dir / "staleness.png"),
         "time_breakdown": plot_time_breakdown(a, out_dir / "time_breakdown.png"),

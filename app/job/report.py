@@ -24,6 +24,7 @@ from app.job import plots
 from app.job.analysis import LEARNED_RULE, STALL_RULE, Interval, RunAnalysis, analyse
 from app.job.busy import BusyTime, load_busy_time
 from app.job.eventlog import EVENT_LOG_NAME, read_events
+from app.job.faults import RunFaults, faults_markdown, read_faults
 
 REPORT_NAME = "report.md"
 SUMMARY_NAME = "summary.json"
@@ -340,6 +341,7 @@ def render_markdown(
     run_dir: Path,
     incomplete: str | None = None,
     busy: BusyTime | None = None,
+    faults: RunFaults | None = None,
 ) -> str:
     """report.md text (`incomplete`: why the run did not complete, stated at the top)."""
     counters = service_counters(run_dir)
@@ -402,6 +404,7 @@ def render_markdown(
         + (", ".join(f"{svc} {n}x" for svc, n in sorted(restarts.items())) or "none")
         + " (a service that exits unexpectedly is restarted within the launcher's budget).",
         "",
+        *faults_markdown(faults or read_faults(run_dir, a.start_unix_s)),
         "## Trajectories: trees and dedup",
         "",
         f"![tree and dedup]({rel['tree_dedup']})",
@@ -461,9 +464,12 @@ def build_report(run_dir: Path, *, extra: dict[str, Any] | None = None, seed: in
     analysis.policy = configured_policy(run_dir) or analysis.policy
     incomplete = incomplete_reason(run_dir, extra)
     busy = load_busy_time(run_dir, analysis.start_unix_s, analysis.duration_s)
-    plot_paths = plots.write_all(analysis, run_dir / "plots", busy)
+    faults = read_faults(run_dir, analysis.start_unix_s)
+    plot_paths = plots.write_all(analysis, run_dir / "plots", busy, faults.marks())
     report_path = run_dir / REPORT_NAME
-    report_path.write_text(render_markdown(analysis, plot_paths, run_dir, incomplete, busy), encoding="utf-8")
+    report_path.write_text(
+        render_markdown(analysis, plot_paths, run_dir, incomplete, busy, faults), encoding="utf-8"
+    )
     counters = service_counters(run_dir)
     if counters.get("batched_tokens"):
         extra = {

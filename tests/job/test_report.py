@@ -152,3 +152,34 @@ def test_a_run_without_a_busy_log_says_so_instead_of_showing_zero(
     report = build_report(tmp_path)
     assert "busy_device_s" not in json.loads(report.summary_path.read_text())
     assert "No busy-time log" in report.report_path.read_text()
+
+
+def test_report_lists_every_fault_and_recovery_and_marks_them_on_the_device_plot(
+    tmp_path: Path, synthetic_run: Callable[..., Path]
+) -> None:
+    from tests.helpers.run_faults import write_fault_files
+    from tests.job.conftest import T0
+
+    synthetic_run(tmp_path, num_steps=6, reward_slope=0.0)
+    plain = build_report(tmp_path)
+    assert plain.analysis.start_unix_s == T0
+    text = plain.report_path.read_text()
+    assert "## Faults and recoveries" in text and "None: no restart, no injected fault, no stall." in text
+    unmarked = plain.plot_paths["device_roles"].read_bytes()
+
+    write_fault_files(tmp_path, T0)
+    report = build_report(tmp_path)
+    section = report.report_path.read_text().split("## Faults and recoveries")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows == [
+        "| 9.9 | scheduler killed by gyre chaos (SIGKILL) | 1.7 |",
+        "| 20.0 | engine rollout-0-e1 failed holding 4 requests (injected by gyre chaos) | 3.0 |",
+        "| 30.0 | postgres shut down (fast) by gyre chaos | 2.1 |",
+        "| 30.8 | scheduler exited (exit 1), restarted by the supervisor | 1.2 |",
+        "| 40.0 | trainer exited (exit 1), restarted by the supervisor, never served again (did not report "
+        "SERVING) | never |",
+        "| 50.0 | stall: nothing advanced for 8 s at weight version 4; the watchdog ended the job at 58.0 s "
+        "| never |",
+    ]
+    assert "The supervisor gave up on: trainer (5 restarts in 300 s)" in section
+    assert report.plot_paths["device_roles"].read_bytes() != unmarked  # the marks are drawn
