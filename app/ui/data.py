@@ -1,8 +1,9 @@
 """What the dashboard shows, read from a run directory (pure reads; re-read when a file changes).
 
-Sources: `<run_dir>/events.jsonl` (every event of the run, appended while it runs) and
+Sources: `<run_dir>/events.jsonl` (every event of the run, appended while it runs),
 `<run_dir>/trajectory/trees.jsonl` (every group's branch tree, written by `gyre run` when the job
-ends: app/job/trees.py). Numbers are the report's: curves are `app.job.tracking.learning_rows` of
+ends: app/job/trees.py) and the run's faults and recoveries (app/job/faults.py: final_stats.json,
+written when the job ends, chaos.json and stall.json). Numbers are the report's: curves are `app.job.tracking.learning_rows` of
 the same `RunAnalysis`, device lanes are the analysis' role segments.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 from app.job.analysis import RunAnalysis, analyse, event_time, execution_score, progress_fraction
 from app.job.eventlog import EVENT_LOG_NAME, read_events
+from app.job.faults import read_faults
 from app.job.tracking import learning_rows
 from app.job.trees import trees_path
 
@@ -35,12 +37,19 @@ CURVES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 @dataclass(frozen=True)
 class Marker:
-    """A point event on a device lane: a reassignment or a migration, at t_s seconds since the start."""
+    """A point event on a device lane (a reassignment or a migration), or on every lane (a fault or a
+    stall, app.job.faults), at t_s seconds since the start."""
 
-    device_id: str
+    device_id: str  # "" for a fault or a stall: it marks every lane
     t_s: float
-    kind: str  # "reassign" | "migration"
-    label: str
+    kind: str  # "reassign" | "migration" | "fault" | "stall"
+    label: str  # the tooltip
+    until_s: float | None = None  # fault / stall: back (serving) again; None: never
+    target: str = ""  # fault: the service or server it hit
+
+
+def _fault_markers(run_dir: Path, t0: float) -> list[Marker]:
+    return [Marker("", m.t_s, m.kind, m.what, m.until_s, m.label) for m in read_faults(run_dir, t0).marks()]
 
 
 @dataclass(frozen=True)
@@ -178,7 +187,7 @@ def read_run(run_dir: Path) -> RunView:
         run_dir,
         analysis,
         curves=dict(curves),
-        markers=_markers(records, analysis.start_unix_s),
+        markers=_markers(records, analysis.start_unix_s) + _fault_markers(run_dir, analysis.start_unix_s),
         busy=_busy(records, analysis.start_unix_s),
         executions=_executions(records),
         num_records=len(records),

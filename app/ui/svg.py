@@ -14,6 +14,8 @@ from typing import Any
 from app.job.analysis import RoleSegment
 from app.ui.data import BusySample, Marker
 
+FAULT_COLOUR = "#d62728"
+FAULT_KINDS = ("fault", "stall")
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 ROLE_COLOURS = {"rollout": "#4c78a8", "train": "#f58518", "switching": "#bab0ac", "idle": "#eeeeee"}
 KIND_COLOURS = {
@@ -95,14 +97,19 @@ def device_lanes(
     width: int = 900,
 ) -> str:
     """One lane per device over the run: its role (colour), busy while leased (dark strip under the
-    lane, from the scheduler's snapshots), reassignments (red ticks) and migrations (purple dots)."""
-    lane_h, gap, pad_l, pad_t = 20, 14, 70, 18
-    height = pad_t + len(devices) * (lane_h + gap) + 20
+    lane, from the scheduler's snapshots), reassignments (red ticks) and migrations (purple dots);
+    faults and a stall across every lane (a red line, shaded until back), labelled above them."""
+    lane_h, gap, pad_l = 20, 14, 70
     span = max(duration_s, 1e-9)
     w = width - pad_l - 10
 
     def px(t: float) -> float:
         return pad_l + max(0.0, min(t, span)) / span * w
+
+    faults = sorted((m for m in markers if m.kind in FAULT_KINDS), key=lambda m: m.t_s)
+    rows = _label_rows([(px(m.t_s), len(m.target or m.kind)) for m in faults])
+    pad_t = 18 + 12 * (max(rows, default=-1) + 1)
+    height = pad_t + len(devices) * (lane_h + gap) + 20
 
     parts = [
         f'<svg class="lanes" data-devices="{len(devices)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">'
@@ -118,6 +125,10 @@ def device_lanes(
     )
     parts.append(
         f'<text x="{x + 70}" y="12" class="legend" fill="#d62728">| reassign</text><text x="{x + 150}" y="12" class="legend" fill="#7b4173">&#9679; migration</text>'
+    )
+    parts.append(
+        f'<rect x="{x + 240}" y="3" width="10" height="10" fill="{FAULT_COLOUR}" fill-opacity="0.3" stroke="{FAULT_COLOUR}"/>'
+        f'<text x="{x + 254}" y="12" class="legend" fill="{FAULT_COLOUR}">fault, shaded until back</text>'
     )
     by_device_busy: dict[str, list[BusySample]] = {}
     for b in busy:
@@ -140,7 +151,7 @@ def device_lanes(
             parts.append(
                 f'<rect class="busy" x="{px(b.t_s):.1f}" y="{y + lane_h + 1}" width="{max(0.5, px(end) - px(b.t_s)):.1f}" height="4" fill="#222"/>'
             )
-        for mk in (m for m in markers if m.device_id == device):
+        for mk in (m for m in markers if m.device_id == device and m.kind not in FAULT_KINDS):
             if mk.kind == "reassign":
                 parts.append(
                     f'<line class="marker reassign" x1="{px(mk.t_s):.1f}" x2="{px(mk.t_s):.1f}" y1="{y - 3}" y2="{y + lane_h + 3}" stroke="#d62728" stroke-width="2"><title>{escape(mk.label)} at {mk.t_s:.1f} s</title></line>'
@@ -150,11 +161,46 @@ def device_lanes(
                     f'<circle class="marker migration" cx="{px(mk.t_s):.1f}" cy="{y + lane_h / 2}" r="3.5" fill="#7b4173"><title>{escape(mk.label)} at {mk.t_s:.1f} s</title></circle>'
                 )
         parts.append("</g>")
+    bottom = pad_t + len(devices) * (lane_h + gap) - gap + 3
+    for mk, row in zip(faults, rows, strict=True):
+        parts.append(
+            _fault(mk, px(mk.t_s), px(span if mk.until_s is None else mk.until_s), 18 + 12 * row, bottom)
+        )
     parts.append(f'<text x="{pad_l}" y="{height - 4}" class="axis">0 s</text>')
     parts.append(
         f'<text x="{pad_l + w}" y="{height - 4}" class="axis" text-anchor="end">{span:.0f} s</text></svg>'
     )
     return "".join(parts)
+
+
+def _label_rows(labels: Sequence[tuple[float, int]]) -> list[int]:
+    """The row of each label (x in pixels, length in characters), first row where it clears the
+    label before it (6 px a character)."""
+    ends: list[float] = []
+    rows = []
+    for x, num_chars in labels:
+        row = next((i for i, end in enumerate(ends) if end < x), len(ends))
+        if row == len(ends):
+            ends.append(0.0)
+        ends[row] = x + 6 * (num_chars + 1)
+        rows.append(row)
+    return rows
+
+
+def _fault(mk: Marker, x: float, x_back: float, label_y: float, bottom: float) -> str:
+    """A fault (or stall) across every lane: its label, a red line and a light span until back."""
+    back = "never back" if mk.until_s is None else f"back after {mk.until_s - mk.t_s:.1f} s"
+    dash = ' stroke-dasharray="4 2"' if mk.kind == "stall" else ""
+    return (
+        f'<g class="marker {mk.kind}" data-kind="{mk.kind}" data-target="{escape(mk.target)}" '
+        f'data-t-s="{mk.t_s:.2f}" data-until-s="{"" if mk.until_s is None else f"{mk.until_s:.2f}"}">'
+        f'<rect class="recovery" x="{x:.1f}" y="{label_y}" width="{max(0.0, x_back - x):.1f}" '
+        f'height="{bottom - label_y:.0f}" fill="{FAULT_COLOUR}" fill-opacity="0.15"/>'
+        f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{label_y}" y2="{bottom}" stroke="{FAULT_COLOUR}" stroke-width="1.5"{dash}/>'
+        f'<text x="{x + 2:.1f}" y="{label_y + 9}" class="fault-label" fill="{FAULT_COLOUR}">'
+        f"{escape(mk.target or mk.kind)}</text>"
+        f"<title>{escape(mk.label)} at {mk.t_s:.1f} s, {back}</title></g>"
+    )
 
 
 def _layout(nodes: Sequence[dict[str, Any]]) -> dict[int, tuple[int, float]]:
