@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre.embedded.guardian import guardian
+
 FINAL_NAME = "final.safetensors"
 STEP_LINE = "PROBE_STEP"
 
@@ -112,13 +114,14 @@ async def _train(run_dir: Path, trainer_section: dict[str, Any], steps: int, see
 
 def _spawn(run_dir: Path, config: Path, steps: int, seed: int) -> subprocess.Popen[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
+    # The guardian's token: a `gyre chaos` killed during the probe takes its trainer along.
     return subprocess.Popen(
         [sys.executable, "-m", "app.exactly_once", "--train", str(run_dir), "--config", str(config)]
         + ["--steps", str(steps), "--seed", str(seed)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=guardian().env({**os.environ, "OMP_NUM_THREADS": "1"}),
     )
 
 
