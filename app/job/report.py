@@ -404,7 +404,7 @@ def render_markdown(
         + (", ".join(f"{svc} {n}x" for svc, n in sorted(restarts.items())) or "none")
         + " (a service that exits unexpectedly is restarted within the launcher's budget).",
         "",
-        *faults_markdown(faults or read_faults(run_dir, a.start_unix_s)),
+        *faults_markdown(faults if faults is not None else read_faults(run_dir, a.start_unix_s)),
         "## Trajectories: trees and dedup",
         "",
         f"![tree and dedup]({rel['tree_dedup']})",
