@@ -31,7 +31,9 @@ trainer's worker_id and the model's vocabulary unless its section sets them.
 A service that exits or times out during start raises DeploymentError with the tail of its log,
 after everything started so far has been stopped. Stop runs in reverse order (SIGTERM, grace,
 SIGKILL per process group), then the embedded servers; it always runs to the end, and no process
-started here outlives it.
+started here outlives it. SIGTERM, where nobody handles it (`gyre run`, `gyre chaos`), stops the
+deployment as Ctrl-C does. If this process dies without stopping (SIGKILL, a crash), its guardian
+(gyre.embedded.guardian) kills every process it started, those the supervisor thread restarted too.
 
 Supervision (`launcher.restart`, on by default): once started, a supervisor thread polls every
 process. A service that exits, for any reason and with any status, except through `stop()` or

@@ -1,8 +1,9 @@
 """One service as its own OS process group, with a log file, a readiness line and a clean stop.
 
 The process handling is the one runner of Gyre, `gyre.embedded.process.ProcessGroup` (its own
-session and process group, output to the log file, a parent-death SIGTERM, a stop that leaves no
-process of the group or of its descendants behind); see its module docstring for the guarantees.
+session and process group, output to the log file, the guardian's SIGTERM if the launcher dies, a
+stop that leaves no process of the group or of its descendants behind); see its module docstring
+for the guarantees.
 This module adds what only a service has: its readiness line (GYRE_READY) read from the log, and
 the restart policy of the supervisor.
 """

@@ -5,12 +5,13 @@ context managers: ``with EmbeddedNats(run_dir / "nats") as n: n.url``. ``stop()`
 down gracefully, kills it after a grace period, and never leaves a process behind; it also runs at
 interpreter exit. Each server runs through the one process runner of Gyre
 (`gyre.embedded.process.ProcessGroup`, which the launcher's supervised services use too): its own
-session (so a Ctrl-C to the launcher's terminal does not reach it before the services drained) and,
-when started from the main thread, a parent-death signal on Linux so a SIGKILLed parent does not
-orphan it.
+session (so a Ctrl-C to the launcher's terminal does not reach it before the services drained), and
+is watched by the parent's guardian (gyre.embedded.guardian), so a SIGKILLed parent does not orphan
+it, whichever thread started it.
 
-Modules: `process` (the process-group runner), `server` (the base of both servers, free ports),
-`nats` (EmbeddedNats), `postgres` (EmbeddedPostgres).
+Modules: `process` (the process-group runner), `guardian` (the reaper of a dead parent's
+children), `server` (the base of both servers, free ports), `nats` (EmbeddedNats), `postgres`
+(EmbeddedPostgres).
 """
 
 from gyre.embedded.nats import NATS_MAX_PAYLOAD, EmbeddedNats, nats_server_binary

@@ -1,7 +1,7 @@
 """Embedded nats-server with JetStream, on a free port of 127.0.0.1, its store under `data_dir`.
 
 ``with EmbeddedNats(run_dir / "nats") as n: n.url``. The server runs through the one process runner
-(gyre.embedded.process): its own session, a parent-death SIGTERM, SIGTERM at stop() (nats-server
+(gyre.embedded.process): its own session, SIGTERM if its parent dies, SIGTERM at stop() (nats-server
 flushes JetStream and exits), SIGKILL after the grace period.
 """
 

