@@ -8,8 +8,8 @@ Sources, each optional (a run without them had no fault):
                                                 "postgres" for the embedded servers)
                       launcher.gave_up          services it stopped restarting, and why
     chaos.json        faults (`gyre chaos`) or kills (`gyre chaos --soak`): what was injected, when
-    stall.json        the job watchdog's stall (else final_stats.json's "watchdog"); it carries no
-                      time of its own: the file's modification time is when it was found
+    stall.json        the job watchdog's stall (else final_stats.json's "watchdog"): found_unix_s is
+                      when it was found (a file written before that field: its modification time)
 
 Times are seconds since t0, the run's first event (`RunAnalysis.start_unix_s`). An injected fault is
 matched to the first unmatched restart of its target that exited at most `MATCH_SLACK_S` before it
@@ -229,7 +229,8 @@ def _stall(run_dir: Path, final_stats: dict[str, Any], t0: float) -> Stall | Non
     info = _load(path) or final_stats.get("watchdog") or {}
     if not info or not found_in.is_file():
         return None
-    found = found_in.stat().st_mtime - t0
+    # found_unix_s: when the watchdog found it (app/job/watchdog.py); older files: their write time
+    found = float(info.get("found_unix_s") or found_in.stat().st_mtime) - t0
     return Stall(found - float(info.get("idle_s", 0.0)), found, int(info.get("version", 0)))
 
 

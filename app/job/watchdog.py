@@ -30,6 +30,7 @@ class Stall:
     idle_s: float
     version: int
     waits: dict[str, list[dict[str, Any]] | str] = field(default_factory=dict)  # service -> waits | error
+    found_unix_s: float = field(default_factory=time.time)  # when the watchdog found it
 
     def reason(self) -> str:
         """One line for the job's end reason: the idle time and every wait, service by service."""
@@ -49,7 +50,12 @@ class Stall:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"idle_s": round(self.idle_s, 1), "version": self.version, "waits": self.waits}
+        return {
+            "idle_s": round(self.idle_s, 1),
+            "version": self.version,
+            "found_unix_s": self.found_unix_s,
+            "waits": self.waits,
+        }
 
 
 class Watchdog:

@@ -28,8 +28,17 @@ def test_a_run_where_nothing_advances_ends_with_the_waits_of_every_service(tmp_p
     env["GYRE_JOB__STALL_TIMEOUT_S"] = "8"
     env["GYRE_JOB__TIMEOUT_S"] = "900"  # the watchdog, not the timeout, must end it
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())", "run",
-         "examples/quickstart.yaml", "--steps", "2", "--run-dir", str(run_dir)],  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys; from app.cli import main; sys.exit(main())",
+            "run",
+            "examples/quickstart.yaml",
+            "--steps",
+            "2",
+            "--run-dir",
+            str(run_dir),
+        ],  # fmt: skip
         cwd=ROOT,
         env=env,
         capture_output=True,
