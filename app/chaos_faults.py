@@ -76,7 +76,7 @@ def plan_faults(targets: list[str], num_steps: int, rng: random.Random) -> list[
     return faults
 
 
-def _all_serving(deployment: Any) -> bool:
+def all_serving(deployment: Any) -> bool:
     from app.launcher.healthcheck import check
 
     return all(
@@ -226,7 +226,7 @@ async def inject(deployment: Any, tracker: Any, faults: list[Fault]) -> None:
                     r.service == name and r.serving_at and r.exited_at >= f.injected_at - 1.0
                     for r in deployment.restarts
                 )
-                return restarted and await asyncio.to_thread(_all_serving, deployment)
+                return restarted and await asyncio.to_thread(all_serving, deployment)
 
             if await until(back, deadline, 0.2):
                 fault.recovered = True
@@ -260,6 +260,7 @@ async def replicas_caught_up(deployment: Any, timeout_s: float = 60.0) -> dict[s
 __all__ = [
     "DEFAULT_TARGETS",
     "TARGETS",
+    "all_serving",
     "Fault",
     "engine_recovered",
     "inject",

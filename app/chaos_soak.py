@@ -11,7 +11,8 @@ One job of CONFIG (default: the quickstart) runs exactly as `gyre run` runs it, 
         a rollout kill also waits (up to app.chaos_faults.LIVE_WAIT_S) for live executions, an engine
         kill for a torch engine holding requests, as `gyre chaos` does
         aimed kinds of kill, besides "random":
-            close       0.1-0.9 s after the previous kill, another target (two kills < 1 s apart)
+            close       0.1-0.9 s after the previous kill, another target (two kills < 1 s apart;
+                        one that has a process then, not one waited for)
             recovering  the previous (service) target's new process while it starts, before it
                         reports SERVING (a kill during recovery)
             pull        the trainer 0.02-0.3 s after it published a version: in the pull of the
@@ -20,6 +21,8 @@ One job of CONFIG (default: the quickstart) runs exactly as `gyre run` runs it, 
                         not yet seen: in the middle of the publish
         kill it as app.chaos_faults does (SIGKILL; postgres: a fast shutdown; engine: SIGUSR2 to the
         rollout, whose `rollout.fault_injection` this command turns on)
+    then wait until every killed target is back and every service SERVING, and for one more weight
+    version (the job must not stop in the middle of the last recovery), and for the job's steps
     meanwhile: no new weight version for `--stall-s` (default 300 s) ends the job as stalled
 
 The launcher's restart budget (`launcher.max_restarts`, counted per service over
@@ -81,6 +84,7 @@ SOAK_BACKOFF_MAX_S = 4.0  # the launcher's restart backoff cap during a soak
 STALL_S = 300.0  # no new weight version for this long: the soak ends the job as stalled
 TARGET_WAIT_S = 180.0  # longest wait for a target to have a process (or a trainer moment)
 ENGINE_RECOVERY_S = 120.0
+SETTLE_S = 600.0  # longest wait, after the last kill, for every target back and one more version
 MIN_KILLS = 4  # room for a close pair and a kill during recovery apart from each other
 
 
@@ -97,6 +101,7 @@ class Kill:
     how: str  # random | close | recovering | pull | publish (module docstring)
     delay_s: float  # wall time after the previous kill, before its moment is waited for
     offset_s: float = 0.0  # pull: after the next version was seen
+    alternates: tuple[str, ...] = ()  # close: the targets to kill instead if this one has no process
     injected_at: float = 0.0
     step_at_kill: int = 0
     pid: int | None = None  # the process signalled
@@ -122,15 +127,18 @@ def plan_soak(num_kills: int, rng: random.Random, targets: tuple[str, ...] = SOA
         target = rng.choice(targets)
         how = rng.choice(("random", "pull", "publish")) if target == "trainer" else "random"
         delay = round(rng.uniform(*DELAY_S), 2)
+        alternates: tuple[str, ...] = ()
         if i == close_at:
-            target = rng.choice([t for t in targets if t not in (kills[-1].target, "engine")])
+            others = [t for t in targets if t not in (kills[-1].target, "engine")]
+            rng.shuffle(others)
+            target, alternates = others[0], tuple(others[1:])
             how, delay = "close", round(rng.uniform(*CLOSE_S), 2)
         elif i == recovering_at:
             if kills[-1].target not in SERVICES:  # a service's start can be caught before SERVING
                 kills[-1].target, kills[-1].how = rng.choice(SERVICES), "random"
             target, how, delay = kills[-1].target, "recovering", 0.0
         offset = round(rng.uniform(*PULL_AFTER_S), 2) if how == "pull" else 0.0
-        kills.append(Kill(i, target, how, delay, offset))
+        kills.append(Kill(i, target, how, delay, offset, alternates))
     return kills
 
 
@@ -212,9 +220,15 @@ async def _retrying(call: Any) -> Any:
 async def _make(deployment: Any, tracker: Any, kill: Kill, previous: Kill | None, run_dir: Path) -> Any:
     """Wait for the moment and a victim, then kill; returns the engine status before an engine kill."""
     await _aim(deployment, tracker, kill, previous, run_dir)
+    if kill.how == "close" and not _has_victim(deployment, kill.target):  # no time to wait for one
+        ready = [t for t in kill.alternates if _has_victim(deployment, t)]
+        kill.detail["planned_target"] = kill.target
+        kill.target = ready[0] if ready else kill.target
     if not await until(lambda: _has_victim(deployment, kill.target), time.time() + TARGET_WAIT_S, 0.05):
         raise GyreError(f"{kill.target} had no process to kill for {TARGET_WAIT_S:.0f} s")
-    if kill.target == "rollout":  # as gyre chaos does: a rollout kill is worth most with executions live
+    if (
+        kill.target == "rollout" and kill.how != "close"
+    ):  # as gyre chaos does: a rollout kill is worth most with executions live
         await until(lambda: _rollout_live(deployment, kill), time.time() + LIVE_WAIT_S, 0.1)
     if kill.how == "publish":  # the event may have arrived while we waited for the victim
         kill.aim_hit = bool(kill.aim_hit) and tracker.version < kill.detail["version_file"]
@@ -256,6 +270,22 @@ async def _watch_engine(deployment: Any, kill: Kill, before: Any) -> None:
         kill.recovery_s = round(time.time() - kill.injected_at, 2)
 
 
+async def settle(deployment: Any, tracker: Any, kills: list[Kill]) -> None:
+    """After the last kill: wait until every killed target is back and every service SERVING, then for
+    one more weight version, so that the job does not stop in the middle of the last recovery (a
+    rollout not yet back has not resumed its executions; a trainer not yet back has not trained the
+    batch it held). Bounded by SETTLE_S; what is still not back is reported unconfirmed."""
+    from app.chaos_faults import all_serving
+
+    def back() -> bool:
+        return all(_back(deployment, k) is not False for k in kills) and all_serving(deployment)
+
+    deadline = time.time() + SETTLE_S
+    await until(lambda: asyncio.to_thread(back), deadline, 0.5)
+    version = tracker.version
+    await until(lambda: tracker.version > version, deadline, 0.5)
+
+
 async def soak(
     deployment: Any, tracker: Any, kills: list[Kill], run_dir: Path, stall_s: float = STALL_S
 ) -> None:
@@ -292,6 +322,7 @@ async def soak(
     async def finishing() -> None:
         await killing()
         await asyncio.gather(*watchers)
+        await settle(deployment, tracker, kills)
         await tracker.steps_done.wait()
 
     watch = asyncio.create_task(watching())
