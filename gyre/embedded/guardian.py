@@ -35,6 +35,7 @@ and is imported by gyre.embedded.process, which starts one guardian per parent p
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -146,6 +147,19 @@ class Guardian:
         )
         self._pipe = self._proc.stdin
 
+    def close(self, timeout_s: float = MAX_GRACE_S + KILL_DEADLINE_S) -> None:
+        """Close the pipe and wait (at most `timeout_s`) until the guardian has done its work and
+        exited: at this process's normal exit, so that whoever waits for this process finds
+        nothing of it left once it has exited."""
+        with self._lock:
+            proc, pipe, self._proc, self._pipe = self._proc, self._pipe, None, None
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout_s)
+
     def _close_in_fork_child(self) -> None:
         """A child forked without exec must not keep the write end open (the guardian would never
         see the parent die) nor share this guardian (its children get one of their own)."""
@@ -177,7 +191,15 @@ def _after_fork_in_child() -> None:
         _guardian = None
 
 
+def _close_at_exit() -> None:
+    if _guardian is not None:
+        _guardian.close()
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
+# Registered at import, before any EmbeddedServer registers its stop(): atexit runs handlers last
+# in, first out, so servers stop gracefully before the guardian is told this process is done.
+atexit.register(_close_at_exit)
 
 
 # -- in the guardian process ------------------------------------------------------------------
@@ -217,14 +239,25 @@ class _Watch:
             self.watched[pid] = (psutil.Process(pid).create_time(), message)
 
     def remember(self) -> None:
-        """Remember the live descendants of every watched process; forget those that ended."""
-        for pid, (started, _) in self.watched.items():
-            seen = {p: t for p, t in self.descendants.get(pid, {}).items() if _same(p, t) is not None}
-            proc = _same(pid, started)
-            with contextlib.suppress(psutil.Error):
-                for child in proc.children(recursive=True) if proc is not None else []:
-                    with contextlib.suppress(psutil.Error):
-                        seen[child.pid] = child.create_time()
+        """Remember the live descendants of every watched process; forget those that ended (one
+        scan of the process table, whatever the number of watched processes)."""
+        started_at: dict[int, float] = {}
+        children: dict[int, list[int]] = {}
+        for proc in psutil.process_iter(["pid", "ppid", "create_time"]):
+            started_at[proc.info["pid"]] = proc.info["create_time"] or 0.0
+            children.setdefault(proc.info["ppid"] or 0, []).append(proc.info["pid"])
+
+        def alive(pid: int, created: float) -> bool:
+            return abs(started_at.get(pid, -1.0) - created) < 0.01
+
+        for pid, (created, _) in self.watched.items():
+            seen = {p: t for p, t in self.descendants.get(pid, {}).items() if alive(p, t)}
+            stack = list(children.get(pid, [])) if alive(pid, created) else []
+            while stack:
+                child = stack.pop()
+                if child not in seen:
+                    seen[child] = started_at[child]
+                    stack += children.get(child, [])
             self.descendants[pid] = seen
 
     def signal_watched(self) -> float:
