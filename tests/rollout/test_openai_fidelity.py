@@ -207,7 +207,9 @@ async def test_streamed_completions_tell_the_same_text_and_end_with_usage(nats_u
     args = {"model": "gyre", "prompt": "count:", "max_tokens": 10, "temperature": 0, "user": "stream-e0"}
     try:
         plain = await client.completions.create(**args)  # type: ignore[call-overload]
-        stream = await client.completions.create(**args, stream=True)  # type: ignore[call-overload]
+        stream = await client.completions.create(  # type: ignore[call-overload]
+            **args, stream=True, stream_options={"include_usage": True}
+        )
         chunks = [chunk async for chunk in stream]
     finally:
         await client.close()

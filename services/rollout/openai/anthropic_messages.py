@@ -37,6 +37,10 @@ is generated (and its step stored) first, then re-told as Anthropic SSE events (
 carrying the extras; per block `content_block_start`, `content_block_delta` with `thinking_delta` /
 `text_delta` (one per token piece) / `input_json_delta`, `content_block_stop`; `message_delta`
 with the stop reason and usage; `message_stop`), so an error is an ordinary HTTP error.
+
+`POST /v1/messages/count_tokens` ({model, system, messages, tools, tool_choice, thinking}) answers
+`{"input_tokens": n}`: the length of the very prompt `/v1/messages` renders for the same fields
+(its `usage.input_tokens`), refused on the same shapes; it generates nothing and opens no execution.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ from .streaming import pieces
 
 _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+    404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+    413: "request_too_large",
 }  # fmt: skip
 
 
@@ -126,6 +131,22 @@ class MessagesRequest(_Body):
     context_management: Any = None
     output_format: Any = None
     output_config: Any = None
+
+
+class CountTokensRequest(_Body):
+    """`POST /v1/messages/count_tokens`: what a Messages request renders into its prompt."""
+
+    model: str | None = None
+    system: str | list[Block] | None = None
+    messages: list[Message] = Field(min_length=1)
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Any = None
+
+    def as_messages_request(self) -> MessagesRequest:
+        """The Messages request whose prompt this counts (`max_tokens` plays no part in it)."""
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        return MessagesRequest.model_validate({**fields, "max_tokens": 1})
 
 
 _REFUSED: list[tuple[str, str]] = [

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gyre.errors import Conflict, GyreError, InvalidArgument, NotFound, PayloadTooLarge
 
@@ -21,11 +22,19 @@ _STATUS: list[tuple[type[GyreError], int]] = [
 ]  # fmt: skip
 
 
+def is_anthropic(path: str) -> bool:
+    """Whether a path is the Anthropic API's (`/v1/messages`, `/v1/messages/...`, also per execution)."""
+    return path.endswith("/v1/messages") or "/v1/messages/" in path
+
+
 def _error(request: Request, status: int, message: str, kind: str) -> JSONResponse:
-    """OpenAI's error body; Anthropic's (`{"type": "error", "error": {...}}`) on `/v1/messages`."""
-    if request.url.path.endswith("/v1/messages"):
+    """OpenAI's error body; Anthropic's (`{"type": "error", "error": {...}}`) on `/v1/messages*`."""
+    if is_anthropic(request.url.path):
         return JSONResponse(anthropic_error(status, message), status_code=status)
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+_HTTP_KINDS = {404: "not_found_error", 405: "invalid_request_error"}
 
 
 def create_app(endpoint: OpenAIEndpoint) -> FastAPI:
@@ -51,6 +60,22 @@ def create_app(endpoint: OpenAIEndpoint) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(request, 400, f"invalid request: {exc.errors()[:3]}", "InvalidArgument")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing errors (404 no such route, 405 wrong method) in the API's own error shape."""
+        message = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else exc.detail
+        response = _error(
+            request, exc.status_code, str(message), _HTTP_KINDS.get(exc.status_code, "api_error")
+        )
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: 500 in the API's own shape (the traceback is logged by the server)."""
+        return _error(request, 500, f"internal error: {type(exc).__name__}", "api_error")
 
     return app
 

@@ -1,5 +1,5 @@
 """The OpenAI routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`), the Anthropic
-`/v1/messages` route (on the chat path, anthropic_messages.py) and the execution routes (`/gyre/executions`, `/gyre/executions/{id}/end`, `/gyre/end`).
+`/v1/messages` and `/v1/messages/count_tokens` routes (on the chat path, anthropic_messages.py) and the execution routes (`/gyre/executions`, `/gyre/executions/{id}/end`, `/gyre/end`).
 
 Token ids are captured server-side: every response carries Gyre extras `prompt_token_ids`,
 `token_ids`, `token_logprobs` and `token_versions` (per choice), exactly what the engine saw and
@@ -16,7 +16,13 @@ from fastapi import APIRouter, Depends, Request, Response
 from gyre.errors import InvalidArgument
 
 from ..engines.base import Completion
-from .anthropic_messages import MessagesRequest, message_events, to_chat_request, to_message
+from .anthropic_messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    message_events,
+    to_chat_request,
+    to_message,
+)
 from .auth import Caller, issue_execution_endpoint
 from .endpoint import OpenAIEndpoint
 from .responses import (
@@ -88,17 +94,15 @@ async def completions(
         prompt,
         cs,
     )
-    return sse(completion_events(response, cs, tokenizer)) if body.stream else response
+    if body.stream:
+        return sse(completion_events(response, cs, tokenizer, body.include_usage()))
+    return response
 
 
-async def chat_call(
-    request: Request, endpoint: OpenAIEndpoint, caller: Caller, body: ChatRequest
-) -> tuple[dict[str, Any], list[tuple[Completion, str | None]], list[int]]:
-    """One chat request through the endpoint (each sample a step): (response, samples, prompt ids).
-
-    Shared by `/v1/chat/completions` and `/v1/messages` (anthropic_messages.py translates to and
-    from it), so both render, generate, parse tool calls and store steps the same way.
-    """
+async def render_prompt(
+    endpoint: OpenAIEndpoint, body: ChatRequest
+) -> tuple[list[int], list[dict[str, Any]] | None]:
+    """(prompt ids, the tools rendered) of a chat request under the run's chat template."""
     refuse_unsupported(body)
     tokenizer = endpoint.tokenizer
     tools = tool_specs(body)
@@ -109,6 +113,19 @@ async def chat_call(
     messages = chat_messages(body)
     endpoint.check_prompt_chars(num_chars(messages) + num_chars(tools))
     prompt = await asyncio.to_thread(lambda: tokenizer.apply_chat_template(messages, tools=tools))
+    return prompt, tools
+
+
+async def chat_call(
+    request: Request, endpoint: OpenAIEndpoint, caller: Caller, body: ChatRequest
+) -> tuple[dict[str, Any], list[tuple[Completion, str | None]], list[int]]:
+    """One chat request through the endpoint (each sample a step): (response, samples, prompt ids).
+
+    Shared by `/v1/chat/completions` and `/v1/messages` (anthropic_messages.py translates to and
+    from it), so both render, generate, parse tool calls and store steps the same way.
+    """
+    tokenizer = endpoint.tokenizer
+    prompt, tools = await render_prompt(endpoint, body)
     endpoint.check_prompt_ids(prompt)
     state = await endpoint.execution(request, caller, body)
     first_seq = state.calls
@@ -139,7 +156,7 @@ async def chat_completions(
     response, samples, prompt = await chat_call(request, endpoint, caller, body)
     cs = [c for c, _ in samples]
     if body.stream:
-        return sse(chat_events(response, cs, endpoint.tokenizer))
+        return sse(chat_events(response, cs, endpoint.tokenizer, body.include_usage()))
     return {**response, **extras(prompt, cs[0])}  # the first sample's extras at top level, as before
 
 
@@ -153,6 +170,15 @@ async def messages(request: Request, endpoint: EndpointDep, caller: CallerDep) -
     if body.stream:
         return sse(message_events(message, samples[0][0], endpoint.tokenizer))
     return message
+
+
+@model_routes.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request, endpoint: EndpointDep, caller: CallerDep) -> dict[str, Any]:
+    """Anthropic's token count: the prompt ids `/v1/messages` would render (its `input_tokens`);
+    nothing is generated and no execution is opened or named."""
+    body = await endpoint.parse(request, CountTokensRequest)
+    prompt, _ = await render_prompt(endpoint, to_chat_request(body.as_messages_request()))
+    return {"input_tokens": len(prompt)}
 
 
 @model_routes.post("/gyre/end")

@@ -81,6 +81,10 @@ class SamplingBody(_Body):
             raise ValueError("temperature must be 0 (greedy) or at least 1e-6")
         return value
 
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def stop_strings(self) -> list[str]:
         """The `stop` sequences as a list (empty when unset); each non-empty."""
         if self.stop is None:

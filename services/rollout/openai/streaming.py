@@ -4,8 +4,10 @@ Every sample is generated (and its step published) before the first event is sen
 carries exactly the ids of the step and an error is an ordinary HTTP error, never a broken stream.
 Chat: per choice a role chunk, content one chunk per generated token piece, each tool call as one
 delta (`index`, `id`, `type`, `function.name`, `function.arguments`), then a chunk with
-`finish_reason` and Gyre's token extras; completions: text chunks, then the finish chunk. The last
-event before `data: [DONE]` has `choices: []` and the `usage` of the whole request.
+`finish_reason` and Gyre's token extras; completions: text chunks, then the finish chunk. Only with
+`stream_options.include_usage` (as OpenAI does): every chunk carries `usage: null` and the last event
+before `data: [DONE]` has `choices: []` and the `usage` of the whole request; without it no chunk has
+empty `choices`, so the common `chunk.choices[0]` loop never trips.
 """
 
 from __future__ import annotations
@@ -38,10 +40,21 @@ def pieces(ids: list[int], tokenizer: Tokenizer, text: str) -> list[str]:
     return out
 
 
+def _usage_head(head: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    return {**head, "usage": None} if include_usage else head
+
+
+def _usage_events(head: dict[str, Any], response: dict[str, Any], include_usage: bool) -> Iterator[str]:
+    if include_usage:
+        yield _event({**head, "choices": [], "usage": response["usage"]})
+    yield "data: [DONE]\n\n"
+
+
 def chat_events(
-    response: dict[str, Any], completions: list[Completion], tokenizer: Tokenizer
+    response: dict[str, Any], completions: list[Completion], tokenizer: Tokenizer, include_usage: bool
 ) -> Iterator[str]:
     head = {k: response[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    head = _usage_head(head, include_usage)
     for choice, c in zip(response["choices"], completions, strict=True):
         index, message = choice["index"], choice["message"]
         yield _event({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}}]})
@@ -55,22 +68,20 @@ def chat_events(
             yield _event({**head, "choices": [{"index": index, "delta": delta}]})
         last = {k: v for k, v in choice.items() if k not in ("message", "index")}
         yield _event({**head, "choices": [{"index": index, "delta": {}, **last}]})
-    yield _event({**head, "choices": [], "usage": response["usage"]})
-    yield "data: [DONE]\n\n"
+    yield from _usage_events(head, response, include_usage)
 
 
 def completion_events(
-    response: dict[str, Any], completions: list[Completion], tokenizer: Tokenizer
+    response: dict[str, Any], completions: list[Completion], tokenizer: Tokenizer, include_usage: bool
 ) -> Iterator[str]:
-    head = {k: response[k] for k in ("id", "created", "model", "object")}
+    head = _usage_head({k: response[k] for k in ("id", "created", "model", "object")}, include_usage)
     for choice, c in zip(response["choices"], completions, strict=True):
         index = choice["index"]
         for piece in pieces(c.token_ids, tokenizer, choice["text"]):
             yield _event({**head, "choices": [{"index": index, "text": piece, "finish_reason": None}]})
         last = {k: v for k, v in choice.items() if k not in ("text", "index")}
         yield _event({**head, "choices": [{"index": index, "text": "", **last}]})
-    yield _event({**head, "choices": [], "usage": response["usage"]})
-    yield "data: [DONE]\n\n"
+    yield from _usage_events(head, response, include_usage)
 
 
 def sse(events: Iterator[str]) -> StreamingResponse:
