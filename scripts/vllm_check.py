@@ -17,6 +17,11 @@ On a GPU host with vLLM (`pip install -e .[gpu]`), through Gyre's own code paths
 `--command "python -m tests.helpers.fake_vllm serve" --allow-cpu` runs the same script against the
 test fake (tests/helpers/fake_vllm.py) on a machine without a GPU: a smoke test of the script
 itself (tests/rollout/test_vllm_check_script.py); its numbers say nothing about vLLM.
+
+    python scripts/vllm_check.py --write-checkpoint DIR
+
+writes the tiny checkpoint real vLLM serves on a CPU (`write_tiny_checkpoint`; `make run-vllm` and
+tests/rollout/test_vllm_real.py use it) and exits.
 """
 
 from __future__ import annotations
@@ -63,6 +68,33 @@ def publish(model_dir: Path, store: Path, version: int, scale: float) -> Any:
     path = store / f"v{version:06d}.safetensors"
     digest = save_weights(model, path)
     return common_pb2.WeightVersion(version=version, uri=path.resolve().as_uri(), sha256=digest)
+
+
+def write_tiny_checkpoint(out: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2 with the project's BPE tokenizer (as `python -m services.trainer.hf
+    tiny-qwen2` writes) that vLLM's CPU attention serves: head_dim 64 (hidden 128, 2 heads, 1 KV head;
+    the CPU attention refuses the 16 of the usual tiny checkpoint), 2 layers, 1024 positions, fp32."""
+    import transformers
+
+    from gyre.tokenizers.bpe import write_generation_config, write_tiny_tokenizer
+
+    num_ids = write_tiny_tokenizer(out)
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(
+        vocab_size=-(-num_ids // 64) * 64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    transformers.Qwen2ForCausalLM(config).save_pretrained(out)
+    write_generation_config(out)  # the model's save replaced it
+    return out
 
 
 def reference_greedy(model_dir: Path, max_tokens: int, weights: Any = None) -> list[int]:
@@ -205,7 +237,13 @@ def main() -> int:
     parser.add_argument("--migrate-tokens", type=int, default=512)
     parser.add_argument("--drain-after", type=int, default=16, help="streamed tokens before the drain")
     parser.add_argument("--perturb", type=float, default=0.05, help="noise scale of the published version")
+    parser.add_argument(
+        "--write-checkpoint", type=Path, metavar="DIR", help="write the tiny CPU-servable checkpoint and exit"
+    )
     args = parser.parse_args()
+    if args.write_checkpoint is not None:
+        print(f"wrote {write_tiny_checkpoint(args.write_checkpoint)}")
+        return 0
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
         print(json.dumps({"error": "no CUDA device (use --allow-cpu with the fake to test the script)"}))

@@ -95,7 +95,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 class FakeModelRunner:
-    """What a vLLM worker's `model_runner` offers the extension: `.model.load_weights` and `reload_weights`."""
+    """What a vLLM worker's `model_runner` offers the extension: `reload_weights` (from the checkpoint or
+    from given tensors, as vLLM's does) on a model whose `load_weights` takes (HF name, tensor) pairs."""
 
     def __init__(self, path: str) -> None:
         import transformers
@@ -124,9 +125,13 @@ class FakeModelRunner:
         self.loads.append(seen)
         return set(seen)
 
-    def reload_weights(self) -> None:
+    def reload_weights(self, weights_iterator: Any = None) -> None:
+        """vLLM's `reload_weights`: the given (HF name, tensor) pairs, or the checkpoint from disk."""
         import transformers
 
+        if weights_iterator is not None:
+            self._load_weights(weights_iterator)
+            return
         fresh = transformers.AutoModelForCausalLM.from_pretrained(
             self.path, local_files_only=True, dtype=torch.float32
         )
@@ -243,7 +248,7 @@ def create_app(state: FakeVLLM) -> FastAPI:
         if state.sleeping:
             return JSONResponse({"error": {"message": "engine is sleeping", "code": 503}}, 503)
         await state.unpaused.wait()
-        rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+        rid = f"cmpl-{body.request_id or uuid.uuid4().hex}-0"  # vLLM's id of the one prompt (abort takes it)
         state.record["completions"] += 1
         return (
             StreamingResponse(generate(state, body, rid), media_type="text/event-stream")

