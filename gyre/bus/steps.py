@@ -4,7 +4,8 @@ An execution of hundreds of calls repeats its history in every prompt; sent whol
 execution puts ~3 MB on the step stream per call. Rollout therefore sends each call *compact*:
 
     full step  (prompt P, completion C)                      what the agent / endpoint produced
-      -> StepCompactor.compact: base = the execution's previous published call, sequence S = its P + C;
+      -> StepCompactor.compact: base = the execution's earlier published call (the latest of each of
+         its agents is remembered) whose sequence S = its P + C shares the longest prefix with P;
          k = longest common prefix of P and S;   P  ==  S[:k] + P[k:]
          wire step: prompt_base_call_seq, prompt_base_len = k, prompt_token_ids = P[k:],
                     prompt_num_tokens = len(P), prompt_crc32 = crc32(P)     (the check)
@@ -57,22 +58,30 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class StepCompactor:
-    """Producer side: turns each full step into its compact form against the same execution's previous
-    published call, remembering that call's sequence (prompt + completion, int32: 4 bytes a token).
+    """Producer side: turns each full step into its compact form against an earlier published call of
+    the same execution, remembering the latest call of each of its agents (prompt + completion,
+    int32: 4 bytes a token).
 
-    One per step publisher, fed in publication order. A step whose call_seq is not after the
-    remembered call (parallel calls finishing out of order) is compacted against nothing and sent
-    whole; it is then remembered if it is the newest. `forget` drops an execution (its end)."""
+    The base is, among those remembered calls before the step, the one sharing the longest prefix
+    with its prompt: a main agent's call after a sub-agent ran (the sub-agent's calls came last, in
+    their own context) still sends only its new turn, not its whole history again. At most
+    `max_agents` agents are remembered per execution (the most recently used).
 
-    def __init__(self, max_executions: int = 100_000) -> None:
-        self._last: OrderedDict[str, tuple[int, np.ndarray]] = OrderedDict()
+    One per step publisher, fed in publication order. A step with no remembered call before it
+    (parallel calls finishing out of order) is sent whole; it is then remembered if it is its agent's
+    newest. `forget` drops an execution (its end)."""
+
+    def __init__(self, max_executions: int = 100_000, max_agents: int = 4) -> None:
+        # execution id -> agent id -> (call_seq, sequence) of the agent's latest published call
+        self._last: OrderedDict[str, OrderedDict[str, tuple[int, np.ndarray]]] = OrderedDict()
         self._max_executions = max_executions
+        self._max_agents = max_agents
 
     def __len__(self) -> int:
         return len(self._last)
 
     def remember(self, step: StepEvent) -> None:
-        """Note `step` (full prompt) as its execution's latest call, e.g. the last call a resumed
+        """Note `step` (full prompt) as its agent's latest call, e.g. the last call a resumed
         execution replayed, so that its next call is sent compact."""
         seq = np.concatenate(
             [
@@ -80,7 +89,17 @@ class StepCompactor:
                 np.asarray(step.completion_token_ids, dtype=np.int32),
             ]
         )
-        self._last[step.execution_id] = (step.call_seq, seq)
+        self._note(step, seq)
+
+    def _note(self, step: StepEvent, seq: np.ndarray) -> None:
+        agents = self._last.setdefault(step.execution_id, OrderedDict())
+        last = agents.get(step.agent_id)
+        if last is not None and last[0] >= step.call_seq:
+            return  # an older call of this agent finishing late: keep the newer one
+        agents[step.agent_id] = (step.call_seq, seq)
+        agents.move_to_end(step.agent_id)
+        while len(agents) > self._max_agents:
+            agents.popitem(last=False)
         self._last.move_to_end(step.execution_id)
         while len(self._last) > self._max_executions:
             self._last.popitem(last=False)
@@ -89,32 +108,30 @@ class StepCompactor:
         self._last.pop(execution_id, None)
 
     def compact(self, step: StepEvent) -> StepEvent:
-        """`step` (full prompt) on the wire: a new message with a compact prompt where a previous call
-        shares a prefix with it, else a copy of it. Remembers `step` as the latest call."""
+        """`step` (full prompt) on the wire: a new message with a compact prompt where an earlier call
+        shares a prefix with it, else a copy of it. Remembers `step` as its agent's latest call."""
         prompt = np.asarray(step.prompt_token_ids, dtype=np.int32)
         out = StepEvent()
         out.CopyFrom(step)
-        last = self._last.get(step.execution_id)
-        newest = last is None or last[0] < step.call_seq
-        if last is not None and newest and not step.HasField("prompt_base_call_seq"):
-            k = common_prefix_len(last[1], prompt)
+        best: tuple[int, int] | None = None  # (k, base call_seq)
+        if not step.HasField("prompt_base_call_seq"):
+            for seq_no, sequence in self._last.get(step.execution_id, {}).values():
+                if seq_no < step.call_seq:
+                    k = common_prefix_len(sequence, prompt)
+                    if best is None or k > best[0] or (k == best[0] and seq_no > best[1]):
+                        best = (k, seq_no)
+        if best is not None:
+            k, base = best
             if k == len(prompt) and not len(step.completion_token_ids):
                 k -= 1  # keep one token: a step must carry some
             if k > 0:
-                out.prompt_base_call_seq = last[0]
+                out.prompt_base_call_seq = base
                 out.prompt_base_len = k
                 del out.prompt_token_ids[:]
                 out.prompt_token_ids.extend(prompt[k:].tolist())
                 out.prompt_num_tokens = len(prompt)
                 out.prompt_crc32 = token_crc32(prompt)
-        if newest:
-            self._last[step.execution_id] = (
-                step.call_seq,
-                np.concatenate([prompt, np.asarray(step.completion_token_ids, dtype=np.int32)]),
-            )
-            self._last.move_to_end(step.execution_id)
-            while len(self._last) > self._max_executions:
-                self._last.popitem(last=False)
+        self._note(step, np.concatenate([prompt, np.asarray(step.completion_token_ids, dtype=np.int32)]))
         return out
 
 
