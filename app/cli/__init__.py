@@ -106,6 +106,12 @@ def _bench_elastic() -> Main:
     return bench_elastic.main
 
 
+def _bench_xlong() -> Main:
+    from app.bench import xlong
+
+    return xlong.main
+
+
 def _fuzz() -> Main:
     from app import fuzz
 
@@ -136,6 +142,10 @@ COMMANDS: dict[str, tuple[Callable[[], Main], str]] = {
     "bench elastic": (
         _bench_elastic,
         "colocate, async and elastic on paced devices, each next to the simulator's prediction",
+    ),
+    "bench xlong": (
+        _bench_xlong,
+        "100K-1M-token executions through NATS, ingest, trees, packing and the trainer's pull, per point",
     ),
     "fuzz": (
         _fuzz,

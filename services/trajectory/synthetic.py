@@ -8,10 +8,15 @@ rolled back and the same prompt is sent again); the first ``shared_early_turns``
 identical across the members of a group. Some executions are exact copies of a group mate
 (exact duplicates) and some copy a group mate except for their last turns (near duplicates).
 Token ids are random: only the structure matters here.
+
+`LongConfig` / `long_executions` make the other shape, executions that run until their context
+reaches a target (100K to 1M tokens, `gyre bench xlong`): stripped reasoning on every turn, retries,
+sub-agents and shared first turns, each call generated when it is needed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +53,7 @@ class GeneratedCall:
     logprobs: np.ndarray
     versions: np.ndarray
     context_event: str = ""
+    agent_id: str = "main"
 
 
 @dataclass(slots=True)
@@ -248,7 +254,7 @@ def step_event(run_id: str, c: GeneratedCall) -> Any:
         completion_token_ids=c.completion.tolist(),
         completion_logprobs=c.logprobs.tolist(),
         completion_versions=c.versions.tolist(),
-        agent_id="main",
+        agent_id=c.agent_id,
         context_event=c.context_event,
     )
 
@@ -285,3 +291,153 @@ def compact_step_events(run_id: str, calls: list[GeneratedCall]) -> list[Any]:
 
     compactor = StepCompactor()
     return [compactor.compact(step_event(run_id, c)) for c in sorted(calls, key=lambda c: c.call_seq)]
+
+
+# ------------------------------------------------------------------ long executions (gyre bench xlong)
+@dataclass(slots=True)
+class LongConfig:
+    """Executions that run until their context reaches `context_tokens` (gyre bench xlong).
+
+    Each turn the main agent reasons and answers (one call: completion = reasoning + answer); the next
+    prompt keeps the answer and the environment's observation but strips the reasoning, so every call
+    branches the tree (a leaf with the reasoning, the history going on). A fraction of turns is
+    retried (the first attempt rolled back, the same prompt sent again); every `subagent_every` turns
+    a sub-agent runs `subagent_calls` calls in its own context (task prompt + an instruction, growing
+    with its own turns) and its result is the main agent's next observation; the first
+    `shared_early_turns` turns are identical across the members of a group. No compaction: the
+    longest path of an execution is its whole context (about `context_tokens`)."""
+
+    context_tokens: int = 100_000
+    num_groups: int = 1
+    group_size: int = 8
+    task_prompt_tokens: int = 4096
+    reasoning_tokens: int = 3000
+    answer_tokens: int = 500
+    observation_tokens: int = 3000
+    retry_fraction: float = 0.05
+    subagent_every: int = 25
+    subagent_calls: int = 4
+    subagent_instruction_tokens: int = 300
+    subagent_answer_tokens: int = 300
+    subagent_observation_tokens: int = 1000
+    shared_early_turns: int = 2
+    vocab: int = 500
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class LongExecution:
+    """One generated long execution: ids, outcome, and its calls made on demand (`calls()`), so that
+    a million-token execution never holds more than its context and one call at a time."""
+
+    cfg: LongConfig
+    group_index: int
+    member: int
+    task_id: str
+    group_id: str
+    execution_id: str
+    reward: float
+    finished: bool = True
+    milestones_reached: int = 0
+    milestones_total: int = 4
+
+    def calls(self) -> Iterator[GeneratedCall]:
+        return _long_calls(self)
+
+
+def long_executions(cfg: LongConfig) -> list[LongExecution]:
+    """Every execution of every group (their calls are generated when iterated, deterministically)."""
+    out: list[LongExecution] = []
+    for g in range(cfg.num_groups):
+        task_id, group_id = f"x{g:04d}", f"x{g:04d}-g0"
+        rng = np.random.default_rng([cfg.seed, g])
+        for i in range(cfg.group_size):
+            out.append(
+                LongExecution(
+                    cfg,
+                    g,
+                    i,
+                    task_id,
+                    group_id,
+                    f"{group_id}-e{i}",
+                    reward=float(rng.random()),
+                    milestones_reached=int(rng.integers(0, 5)),
+                )  # fmt: skip
+            )
+    return out
+
+
+def _long_calls(ex: LongExecution) -> Iterator[GeneratedCall]:
+    cfg = ex.cfg
+    task = np.random.default_rng([cfg.seed, ex.group_index, 1 << 20]).integers(
+        0, cfg.vocab, cfg.task_prompt_tokens, dtype=np.int32
+    )
+    shared = np.random.default_rng([cfg.seed, ex.group_index, 1 << 21])
+    own = np.random.default_rng([cfg.seed, ex.group_index, ex.member])
+    ctx = np.empty(
+        cfg.context_tokens + 8 * (cfg.observation_tokens + cfg.answer_tokens) + len(task), np.int32
+    )
+    ctx[: len(task)] = task
+    n = len(task)
+    seq = 0
+
+    def tokens(gen: np.random.Generator, size: int) -> np.ndarray:
+        return gen.integers(0, cfg.vocab, _jitter(gen, size), dtype=np.int32)
+
+    def call(
+        prompt: np.ndarray, completion: np.ndarray, gen: np.random.Generator, event: str, agent: str
+    ) -> GeneratedCall:
+        nonlocal seq
+        lp = (-gen.random(len(completion))).astype(np.float32)
+        c = GeneratedCall(
+            ex.task_id, ex.group_id, ex.execution_id, seq, prompt, completion, lp,
+            np.zeros(len(completion), np.int64), event, agent,
+        )  # fmt: skip
+        seq += 1
+        return c
+
+    turn = 0
+    event = ""
+    while True:
+        gen = shared if turn < cfg.shared_early_turns else own
+        prompt = ctx[:n].copy()
+        if turn >= cfg.shared_early_turns and own.random() < cfg.retry_fraction:
+            yield call(prompt, tokens(own, cfg.reasoning_tokens + cfg.answer_tokens), own, event, "main")
+            event = "retry"
+        reasoning, answer = tokens(gen, cfg.reasoning_tokens), tokens(gen, cfg.answer_tokens)
+        yield call(prompt, np.concatenate([reasoning, answer]), gen, event, "main")
+        if n + len(answer) >= cfg.context_tokens:
+            return
+        turn += 1
+        if cfg.subagent_every and turn % cfg.subagent_every == 0:
+            sub = np.concatenate([task, tokens(gen, cfg.subagent_instruction_tokens)])
+            for _ in range(cfg.subagent_calls):
+                out = tokens(gen, cfg.subagent_answer_tokens)
+                yield call(sub, out, gen, "subagent", f"sub{turn}")
+                sub = np.concatenate([sub, out, tokens(gen, cfg.subagent_observation_tokens)])
+            obs = out
+        else:
+            obs = tokens(gen, cfg.observation_tokens)
+        room = min(len(answer) + len(obs), len(ctx) - n)
+        ctx[n : n + room] = np.concatenate([answer, obs])[:room]
+        n += room
+        event = "strip_reasoning"
+
+
+def long_end_event(run_id: str, ex: LongExecution, num_calls: int) -> Any:
+    """FINISHED event (with the reward) of a generated long execution of `num_calls` calls."""
+    from gyre.v1 import common_pb2, events_pb2
+
+    return events_pb2.ExecutionEvent(
+        event_id=f"end.{ex.execution_id}",
+        run_id=run_id,
+        task_id=ex.task_id,
+        group_id=ex.group_id,
+        execution_id=ex.execution_id,
+        kind=events_pb2.ExecutionEvent.KIND_FINISHED,
+        num_calls=num_calls,
+        reward=ex.reward,
+        progress=common_pb2.ProgressSignal(
+            milestones_reached=ex.milestones_reached, milestones_total=ex.milestones_total
+        ),
+    )
