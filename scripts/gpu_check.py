@@ -18,6 +18,13 @@
        --time-cap-s (gpu_check.sh's 480 s), at most MODEL_PARALLEL_MAX_S, and reports a timeout
        rather than being killed with the rest
 
+`--xlong` runs only the trainer step of `gyre bench xlong`'s 1M point (app/bench/xlong_step.py): a
+group of 8 executions reaching 1M tokens each (~17M tree tokens) packed as the trajectory service
+packs it, then one optimizer step of this model (flex attention, micro-batches of
+`--xlong-micro-tokens`, tree parts with their context) -> step seconds, loss finite, micro-batches,
+peak memory. A 1M-token attention is out of reach on 2 CPU cores; with `--allow-cpu` it runs a
+2K-token point as a smoke test.
+
 The torch engine's close gives its cached CUDA memory back (reserved MiB before/after). vLLM has
 its own section: `scripts/gpu_check.sh --vllm` (scripts/vllm_check.py). `--allow-cpu` runs the
 same code on the CPU with small sizes (a smoke test of the script itself on a machine without a
@@ -275,6 +282,32 @@ def check_parallel(
         out["model_parallel"] = result
 
 
+def check_xlong(device: str, args: argparse.Namespace) -> int:
+    """The trainer step of `gyre bench xlong`'s 1M point (module docstring, --xlong)."""
+    from app.bench.xlong_step import point_batch, train_point
+
+    context, micro = args.xlong_context, args.xlong_micro_tokens
+    if device == "cpu":  # smoke test of this section: a 2K-token point, tiny model
+        context, micro = min(context, 2_000), min(micro, 4_096)
+    model = ModelConfig(
+        num_layers=4 if device == "cuda" else 1,
+        hidden_size=512 if device == "cuda" else 32,
+        num_attention_heads=8 if device == "cuda" else 2,
+        vocab_size=512,
+        max_position_embeddings=context + 8192,
+    )
+    t0 = time.perf_counter()
+    batch = point_batch(context)
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (smoke test)"
+    }
+    out["xlong"] = {"context_tokens": context, "build_s": round(time.perf_counter() - t0, 1)}
+    out["xlong"].update(train_point(batch, model, device, micro))
+    out["ok"] = bool(out["xlong"]["loss_finite"])
+    print(json.dumps(out, indent=2))
+    return 0 if out["ok"] else 1
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -300,12 +333,19 @@ async def main() -> int:
         help="the wall-clock cap the whole run is under (gpu_check.sh's timeout); the model-parallel "
         "section uses what is left of it",
     )
+    parser.add_argument(
+        "--xlong", action="store_true", help="only the trainer step of the 1M-token point (module docstring)"
+    )
+    parser.add_argument("--xlong-context", type=int, default=1_000_000, help="tokens each execution reaches")
+    parser.add_argument("--xlong-micro-tokens", type=int, default=131_072, help="micro-batch budget (tokens)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
         print(json.dumps({"ok": False, "error": "no CUDA device (use --allow-cpu for a smoke test)"}))
         return 2
     device = "cuda" if cuda else "cpu"
+    if args.xlong:
+        return check_xlong(device, args)
     if cuda:
         model = ModelConfig(
             num_layers=8,

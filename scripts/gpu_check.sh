@@ -11,6 +11,8 @@
 #   scripts/gpu_check.sh               # on a GPU host, from the repository root
 #   scripts/gpu_check.sh --allow-cpu   # smoke-test the script itself without a GPU (the
 #                                      # model-parallel section on gloo, 2 CPU processes)
+#   scripts/gpu_check.sh --xlong       # the trainer step of `gyre bench xlong`'s 1M point (a group
+#                                      # of 8 executions of 1M tokens each, ~17M tree tokens)
 #   scripts/gpu_check.sh --vllm        # the vLLM section (scripts/vllm_check.py): start two
 #                                      # `vllm serve`, generate, reload a version, sleep/wake, migrate
 #
@@ -24,6 +26,9 @@ PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo py
 if [ "${1:-}" = "--vllm" ]; then
     shift
     exec timeout 900 "$PYTHON" scripts/vllm_check.py "$@"
+fi
+if [ "${1:-}" = "--xlong" ]; then
+    exec timeout 1200 "$PYTHON" scripts/gpu_check.py "$@"
 fi
 CAP_S=480
 exec timeout "$CAP_S" "$PYTHON" scripts/gpu_check.py --time-cap-s "$CAP_S" "$@"
