@@ -40,6 +40,11 @@ SERVICE_ROLES: tuple[str, ...] = ("scheduler", "trajectory", "trainer", "rollout
 OBSERVER = "observer"
 ADMIN = "admin"
 ROLES: tuple[str, ...] = (*SERVICE_ROLES, OBSERVER, ADMIN)
+# A Kubernetes worker pod runs trainer and rollout in one container (deploy/k8s/worker.yaml: a device
+# changes role only between processes of one container), where `gyre up` hands both the one URL it
+# was given: they log in as this user, with the union of the two services' permissions.
+WORKER = "worker"
+WORKER_SERVICES: tuple[str, ...] = ("trainer", "rollout")
 
 _JS = "$JS.API"
 
@@ -91,7 +96,11 @@ def _read_rights(stream: str, *, durable: bool) -> list[str]:
 
 
 def permissions(role: str) -> Permissions:
-    """The NATS permissions of `role` (one of ROLES); ValueError for an unknown role."""
+    """The NATS permissions of `role` (one of ROLES, or WORKER); ValueError for an unknown role."""
+    if role == WORKER:
+        parts = [permissions(service) for service in WORKER_SERVICES]
+        union = tuple(dict.fromkeys(p for perms in parts for p in perms.publish))
+        return Permissions(publish=union, subscribe=(f"{inbox_prefix(role)}.>", f"{subjects.PREFIX}.>"))
     if role not in ROLES:
         raise ValueError(f"unknown NATS role {role!r}; choose one of {list(ROLES)}")
     subscribe = (f"{inbox_prefix(role)}.>",)
@@ -119,15 +128,33 @@ def generate_password() -> str:
     return secrets.token_urlsafe(32)
 
 
+def password_variable(role: str) -> str:
+    """The environment variable holding `role`'s password in deployments (``GYRE_NATS_PASSWORD_<ROLE>``):
+    the nats-server config of docker compose and Kubernetes reads it, `server_authorization_from_env`."""
+    return f"GYRE_NATS_PASSWORD_{role.upper()}"
+
+
 def server_authorization(passwords: Mapping[str, str]) -> str:
     """The ``authorization { users = [...] }`` block of a nats-server config for `passwords`
     (role -> password). Roles not in `passwords` cannot connect; anonymous clients are refused."""
+    return _authorization({role: json.dumps(password) for role, password in passwords.items()})
+
+
+def server_authorization_from_env(roles: tuple[str, ...]) -> str:
+    """The same block for `roles`, each password a reference to its `password_variable`, which
+    nats-server resolves from its environment at start (a missing one stops it): the config can be
+    committed, the passwords stay in the deployment's secrets. A password given this way must be a
+    plain word (letters and digits, starting with a letter): nats-server parses the variable's value."""
+    return _authorization({role: "$" + password_variable(role) for role in roles})
+
+
+def _authorization(password_values: Mapping[str, str]) -> str:
     users = []
-    for role, password in passwords.items():
+    for role, password in password_values.items():
         perms = permissions(role)
         users.append(
             "    {"
-            f"user: {json.dumps(role)}, password: {json.dumps(password)}, permissions: {{"
+            f"user: {json.dumps(role)}, password: {password}, permissions: {{"
             f"publish: {{allow: {json.dumps(list(perms.publish))}}}, "
             f"subscribe: {{allow: {json.dumps(list(perms.subscribe))}}}"
             "}}"

@@ -11,6 +11,8 @@ installed, its own `kubectl kustomize` rendering must agree. Nothing is built or
 
 from __future__ import annotations
 
+import base64
+import importlib.util
 import json
 import os
 import re
@@ -24,7 +26,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gyre.bus import auth
+
 ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("deploy_secrets", ROOT / "scripts" / "deploy_secrets.py")
+assert _spec and _spec.loader
+deploy_secrets = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(deploy_secrets)
 SERVICES = ("scheduler", "trajectory", "trainer", "rollout")
 GPU_SERVICES = {"trainer", "rollout"}
 K8S_DIR = ROOT / "deploy" / "k8s"
@@ -46,9 +54,116 @@ def _k8s_docs() -> list[tuple[Path, dict[str, Any]]]:
 
 def test_compose_runs_nats_with_jetstream_and_postgres_with_pg_isready() -> None:
     services = _compose()["services"]
-    assert "--jetstream" in services["nats"]["command"]
+    assert services["nats"]["command"] == ["--config", "/etc/nats/server.conf"]
+    assert "./deploy/nats:/etc/nats:ro" in services["nats"]["volumes"]
+    conf = (ROOT / "deploy" / "nats" / "server.conf").read_text()
+    assert re.search(r"^jetstream \{", conf, re.M) and re.search(r"^include \./auth\.conf$", conf, re.M)
     assert "healthz" in " ".join(services["nats"]["healthcheck"]["test"])
     assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+
+
+def _nats_user(url: str) -> str:
+    """The user of a compose NATS URL before interpolation (its password is a `${...}` reference)."""
+    match = re.match(r"nats://(\w+):", url)
+    assert match, url
+    return match[1]
+
+
+def _compose_files() -> list[Path]:
+    return [ROOT / "docker-compose.yml", *sorted((ROOT / "deploy").glob("compose.*.yml"))]
+
+
+def test_no_compose_file_has_a_default_secret_every_secret_is_required_and_generated() -> None:
+    required: set[str] = set()
+    for path in _compose_files():
+        text = path.read_text()
+        for name, form in re.findall(r"\$\{(\w+)(:?[-?][^}]*)?\}", text):
+            if re.search(r"PASSWORD|TOKEN|SECRET", name):
+                assert form.startswith(":?"), (
+                    f"{path.name}: ${{{name}{form}}} must be required, not defaulted"
+                )
+                required.add(name)
+        assert not re.search(r"postgresql\+psycopg://\w+:(?!\$\{)", text), f"{path.name}: a literal password"
+        assert not re.search(r"nats://\w+:(?!\$\{)", text), f"{path.name}: a literal password"
+    assert required == set(deploy_secrets.compose_keys())
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_every_compose_service_logs_in_as_its_own_nats_user_and_postgres_role(name: str) -> None:
+    env = _compose()["services"][name]["environment"]
+    nats_url, db_url = env["GYRE_NATS_URL"], env["GYRE_DATABASE_URL"]
+    assert (
+        nats_url
+        == f"nats://{name}:${{{auth.password_variable(name)}:?missing - run python scripts/deploy_secrets.py compose}}@nats:4222"
+    )
+    assert db_url.startswith(f"postgresql+psycopg://gyre_{name}:${{GYRE_POSTGRES_PASSWORD_{name.upper()}:?")
+    assert env["GYRE_GRPC_TOKEN"].startswith("${GYRE_GRPC_TOKEN:?")
+
+
+def test_compose_setup_declares_the_streams_as_admin_and_creates_the_roles_as_the_superuser() -> None:
+    setup = _compose()["services"]["setup"]
+    assert setup["restart"] == "no"
+    assert "python -m app.launcher.streams" in setup["command"][2]
+    assert "python scripts/deploy_secrets.py postgres-roles" in setup["command"][2]
+    env = setup["environment"]
+    assert _nats_user(env["GYRE_NATS_URL"]) == auth.ADMIN
+    assert env["GYRE_DATABASE_URL"].startswith("postgresql+psycopg://gyre:${GYRE_POSTGRES_PASSWORD:?")
+    assert {f"GYRE_POSTGRES_PASSWORD_{s.upper()}" for s in SERVICES} <= set(env)
+
+
+def test_the_compose_nats_config_with_the_generated_users_starts_only_with_every_password(
+    tmp_path: Path,
+) -> None:
+    conf = (ROOT / "deploy" / "nats" / "server.conf").read_text().replace("/data", str(tmp_path / "js"))
+    (tmp_path / "auth.conf").write_text(deploy_secrets.nats_authorization(deploy_secrets.COMPOSE_NATS_ROLES))
+    nats_env = {k: v for k, v in _compose()["services"]["nats"]["environment"].items()}
+    assert set(nats_env) == {auth.password_variable(r) for r in deploy_secrets.COMPOSE_NATS_ROLES}
+    users = _nats_users_env(deploy_secrets.COMPOSE_NATS_ROLES)
+    ok = _nats_server_accepts(conf, tmp_path, **users)
+    assert ok.returncode == 0, ok.stderr
+    users.pop(auth.password_variable(auth.OBSERVER))
+    missing = _nats_server_accepts(conf, tmp_path, **users)
+    assert missing.returncode != 0 and "GYRE_NATS_PASSWORD_OBSERVER" in missing.stderr
+
+
+def test_compose_secrets_are_generated_once_private_and_kept(tmp_path: Path) -> None:
+    env_file, nats_auth = tmp_path / ".env", tmp_path / "auth.conf"
+    env_file.write_text("GYRE_IMAGE=mine:1\nGYRE_GRPC_TOKEN=\n")
+    assert deploy_secrets.compose(env_file, nats_auth) == 0
+    first = deploy_secrets.read_env_file(env_file)
+    assert first["GYRE_IMAGE"] == "mine:1"  # what the user had stays
+    assert set(deploy_secrets.compose_keys()) <= set(first)
+    secrets = [first[k] for k in deploy_secrets.compose_keys()]
+    assert len(set(secrets)) == len(secrets) and all(re.fullmatch(r"g[0-9a-f]{64}", v) for v in secrets)
+    assert os.stat(env_file).st_mode & 0o777 == 0o600
+    assert "GYRE_NATS_PASSWORD_ROLLOUT" in nats_auth.read_text()
+    deploy_secrets.compose(env_file, nats_auth)
+    assert deploy_secrets.read_env_file(env_file) == first  # the Postgres cluster keeps its password
+
+
+def test_kubernetes_secrets_come_from_the_command_and_cover_every_reference() -> None:
+    generated = deploy_secrets.k8s_objects("gyre", "db.example:5432/gyre")
+    for doc in generated:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    names = {(o["kind"], o["metadata"]["name"]) for o in generated}  # type: ignore[index]
+    in_manifests = {(d["kind"], d["metadata"]["name"]) for _, d in _k8s_docs()}
+    assert not [d for _, d in _k8s_docs() if d["kind"] == "Secret"], "no Secret (nor its password) in a file"
+    referenced = set()
+    for _, doc in _k8s_docs():
+        text = json.dumps(doc)
+        referenced |= {("Secret", n) for n in re.findall(r'"secretKeyRef": \{"name": "([\w-]+)"', text)}
+        referenced |= {("Secret", n) for n in re.findall(r'"secretRef": \{"name": "([\w-]+)"', text)}
+        referenced |= {("ConfigMap", n) for n in re.findall(r'"configMap": \{"name": "([\w-]+)"', text)}
+    yours = {("Secret", "gyre-database-admin")}  # the Postgres superuser's URL (deploy/README.md)
+    assert referenced - names - in_manifests == yours
+    urls = {
+        o["metadata"]["name"]: base64.b64decode(o["data"]["database-url"]).decode()  # type: ignore[index]
+        for o in generated
+        if o["kind"] == "Secret" and "database-url" in o["data"]  # type: ignore[operator]
+    }
+    assert {n: u.split(":")[1] for n, u in urls.items()} == {
+        f"gyre-{c}": f"//gyre_{c}" for c in ("scheduler", "trajectory", "worker")
+    }
 
 
 @pytest.mark.parametrize("name", SERVICES)
@@ -58,10 +173,8 @@ def test_every_compose_service_has_a_grpc_healthcheck_and_waits_for_healthy_depe
     assert service["command"][:3] == ["python", "-m", f"services.{name}"]
     depends = service["depends_on"]
     assert {"nats", "postgres"} <= set(depends)
+    assert depends.pop("setup") == {"condition": "service_completed_successfully"}
     assert all(dep["condition"] == "service_healthy" for dep in depends.values())
-    env = service["environment"]
-    assert env["GYRE_NATS_URL"].startswith("nats://nats:")
-    assert env["GYRE_DATABASE_URL"].startswith("postgresql+psycopg://")
 
 
 def test_compose_starts_services_in_the_launcher_order() -> None:
@@ -78,12 +191,15 @@ def test_gpu_reservations_exactly_where_the_service_runs_models(name: str) -> No
     assert has_gpu == (name in GPU_SERVICES | {"quickstart"})
 
 
-def test_quickstart_is_a_profile_that_runs_gyre_run_against_the_containers() -> None:
+def test_quickstart_is_a_profile_that_runs_gyre_run_self_contained() -> None:
     quickstart = _compose()["services"]["quickstart"]
     assert quickstart["profiles"] == ["quickstart"]
     assert quickstart["command"][:2] == ["gyre", "run"]
     assert (ROOT / quickstart["command"][2]).is_file()
-    assert all(dep["condition"] == "service_healthy" for dep in quickstart["depends_on"].values())
+    # Its own embedded NATS and Postgres, secured by `gyre run` (one URL could not carry every
+    # service's own login to the shared servers).
+    assert not {"GYRE_NATS_URL", "GYRE_DATABASE_URL"} & set(quickstart["environment"])
+    assert "depends_on" not in quickstart
 
 
 def test_cpu_override_resets_every_gpu_reservation() -> None:
@@ -99,7 +215,8 @@ def test_cpu_override_resets_every_gpu_reservation() -> None:
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu"])
 def test_every_path_the_dockerfile_copies_exists(dockerfile: str) -> None:
     text = (ROOT / dockerfile).read_text()
-    sources = [src for line in re.findall(r"^COPY (.+)$", text, re.M) for src in line.split()[:-1]]
+    # COPY --from=<stage> copies from an earlier stage of the build, not from the context.
+    sources = [src for line in re.findall(r"^COPY (?!--from=)(.+)$", text, re.M) for src in line.split()[:-1]]
     assert sources
     missing = [s for s in sources if not (ROOT / s).exists()]
     assert not missing, f"{dockerfile} copies paths that do not exist: {missing}"
@@ -150,8 +267,15 @@ def test_each_service_has_a_deployment_and_service_with_grpc_probes(name: str) -
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert grpc_port in _probed_ports(container[probe]), (name, probe)
     env = {e["name"]: e for e in container["env"]}
-    assert env["GYRE_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "gyre-database"
-    assert env["GYRE_NATS_URL"]["value"].startswith("nats://")
+    client = "worker" if name in GPU_SERVICES else name
+    for var, key in (
+        ("GYRE_NATS_URL", "nats-url"),
+        ("GYRE_DATABASE_URL", "database-url"),
+        ("GYRE_GRPC_TOKEN", "token"),
+    ):
+        ref = env[var]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == ("gyre-grpc" if var == "GYRE_GRPC_TOKEN" else f"gyre-{client}"), (name, var)
+        assert ref["key"] == key and not ref.get("optional", False), (name, var)  # no pod without it
     gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu", 0)
     assert (gpus > 0) == (name in GPU_SERVICES)
 
@@ -771,18 +895,20 @@ def _nats_server_accepts(conf: str, tmp_path: Path, **env: str) -> subprocess.Co
     )
 
 
-def test_the_nats_cluster_override_adds_two_nodes_and_a_stream_declaration_to_the_base_services() -> None:
+def test_the_nats_cluster_override_adds_two_nodes_to_the_base_services() -> None:
     added = set(_compose_nats_cluster()["services"]) - set(_compose()["services"])
-    assert added == {"nats-1", "nats-2", "nats-streams"}
+    assert added == {"nats-1", "nats-2"}
     merged = _compose_with_nats_cluster()["services"]
     names = [merged[n]["environment"]["SERVER_NAME"] for n in NATS_NODES]
     assert len(set(names)) == 3
     data = {next(m.split(":")[0] for m in merged[n]["volumes"] if m.endswith(":/data")) for n in NATS_NODES}
     assert len(data) == 3  # each node keeps its own JetStream store
     for node in NATS_NODES:
-        assert "./deploy/nats/cluster.conf:/etc/nats/cluster.conf.in:ro" in merged[node]["volumes"]
+        assert "./deploy/nats:/etc/nats:ro" in merged[node]["volumes"]
         assert merged[node]["restart"] == "unless-stopped"
         assert "js-enabled-only" in " ".join(merged[node]["healthcheck"]["test"])
+        passwords = {k for k in merged[node]["environment"] if k.startswith("GYRE_NATS_PASSWORD_")}
+        assert passwords == {auth.password_variable(r) for r in deploy_secrets.COMPOSE_NATS_ROLES}, node
 
 
 def test_the_cluster_routes_password_is_required_not_defaulted() -> None:
@@ -791,25 +917,30 @@ def test_the_cluster_routes_password_is_required_not_defaulted() -> None:
         assert re.fullmatch(r"\$\{NATS_ROUTE_PASSWORD:\?[^}]+\}", value), value  # compose refuses to start
 
 
-@pytest.mark.parametrize("name", [*SERVICES, "quickstart"])
-def test_with_the_nats_cluster_every_gyre_client_lists_the_three_servers_and_waits_for_the_streams(
-    name: str,
-) -> None:
+@pytest.mark.parametrize("name", SERVICES)
+def test_with_the_nats_cluster_every_gyre_client_lists_the_three_servers_with_its_own_user(name: str) -> None:
     service = _compose_with_nats_cluster()["services"][name]
     urls = service["environment"]["GYRE_NATS_URL"].split(",")
-    assert urls == [f"nats://{n}:4222" for n in NATS_NODES]
-    assert service["depends_on"]["nats-streams"] == {"condition": "service_completed_successfully"}
+    assert [re.sub(r"//[^@]*@", "//", u) for u in urls] == [f"nats://{n}:4222" for n in NATS_NODES]
+    assert {_nats_user(u) for u in urls} == {name}
+    assert service["depends_on"]["setup"] == {"condition": "service_completed_successfully"}
     assert service["depends_on"]["postgres"] == {"condition": "service_healthy"}  # the base's kept
 
 
 def test_the_stream_declaration_runs_once_all_three_nodes_are_healthy_with_three_replicas() -> None:
-    job = _compose_with_nats_cluster()["services"]["nats-streams"]
-    assert job["command"][:3] == ["python", "-m", "app.launcher.streams"]
-    assert job["command"][job["command"].index("--replicas") + 1] == "3"
-    assert {n: c["condition"] for n, c in job["depends_on"].items()} == dict.fromkeys(
-        NATS_NODES, "service_healthy"
-    )
+    setup = _compose_with_nats_cluster()["services"]["setup"]
+    command = _compose()["services"]["setup"]["command"][2]  # before interpolation: $$ is a literal $
+    assert "python -m app.launcher.streams --replicas $${GYRE_STREAM_REPLICAS}" in command
+    assert setup["environment"]["GYRE_STREAM_REPLICAS"] == "3"
+    assert {_nats_user(u) for u in setup["environment"]["GYRE_NATS_URL"].split(",")} == {auth.ADMIN}
+    assert {
+        n: c["condition"] for n, c in setup["depends_on"].items() if n.startswith("nats")
+    } == dict.fromkeys(NATS_NODES, "service_healthy")
     assert (ROOT / "app" / "launcher" / "streams.py").is_file()
+
+
+def _nats_users_env(roles: tuple[str, ...]) -> dict[str, str]:
+    return {auth.password_variable(role): deploy_secrets.new_secret() for role in roles}
 
 
 def test_the_compose_node_config_rendered_as_the_container_does_is_a_valid_authenticated_cluster(
@@ -817,15 +948,18 @@ def test_the_compose_node_config_rendered_as_the_container_does_is_a_valid_authe
 ) -> None:
     template = (ROOT / "deploy" / "nats" / "cluster.conf").read_text()
     script = _compose_nats_cluster()["services"]["nats"]["command"][0].replace("$$", "$")
-    assert 'sed "s/@ROUTE_PASSWORD@/$NATS_ROUTE_PASSWORD/g" /etc/nats/cluster.conf.in' in script
+    assert 'sed "s/@ROUTE_PASSWORD@/$NATS_ROUTE_PASSWORD/g" /etc/nats/cluster.conf > /tmp/nats.conf' in script
+    assert "cp /etc/nats/auth.conf /tmp/auth.conf" in script
     conf = _render_nats_conf(template, "0123abcd")
     routes = re.findall(r"nats-route://route:([^@]+)@([\w-]+):6222", conf)
     assert sorted(host for _, host in routes) == sorted(NATS_NODES)
     assert {pw for pw, _ in routes} == {"0123abcd"}
     assert re.search(r"authorization\s*\{\s*user: route\s+password: \$NATS_ROUTE_PASSWORD", conf)
-    ok = _nats_server_accepts(conf, tmp_path, SERVER_NAME="nats-0", NATS_ROUTE_PASSWORD="0123abcd")
+    (tmp_path / "auth.conf").write_text(deploy_secrets.nats_authorization(deploy_secrets.COMPOSE_NATS_ROLES))
+    users = _nats_users_env(deploy_secrets.COMPOSE_NATS_ROLES)
+    ok = _nats_server_accepts(conf, tmp_path, SERVER_NAME="nats-0", NATS_ROUTE_PASSWORD="0123abcd", **users)
     assert ok.returncode == 0, ok.stderr
-    unnamed = _nats_server_accepts(conf, tmp_path, NATS_ROUTE_PASSWORD="0123abcd")
+    unnamed = _nats_server_accepts(conf, tmp_path, NATS_ROUTE_PASSWORD="0123abcd", **users)
     assert unnamed.returncode != 0 and "SERVER_NAME" in unnamed.stderr  # the variables are really read
 
 
@@ -837,11 +971,23 @@ def test_the_kubernetes_nats_cluster_authenticates_its_routes_with_a_required_se
     assert secret["name"] == "nats-routes" and not secret.get("optional", False)  # no pod without it
     script = container["args"][0]
     assert 'sed "s/@ROUTE_PASSWORD@/$NATS_ROUTE_PASSWORD/g" /etc/nats/nats.conf > /tmp/nats.conf' in script
+    assert "cp /etc/nats-auth/auth.conf /tmp/auth.conf" in script
     assert script.rstrip().endswith("exec nats-server --config /tmp/nats.conf")
+    assert {"secretRef": {"name": "nats-users"}} in container["envFrom"]  # not optional: no pod without it
     conf = _render_nats_conf(by_kind[("ConfigMap", "nats-config")]["data"]["nats.conf"], "feed42")
     assert len(re.findall(r"nats-route://route:feed42@nats-\d\.nats-headless", conf)) == 3
-    ok = _nats_server_accepts(conf, tmp_path, SERVER_NAME="nats-0", NATS_ROUTE_PASSWORD="feed42")
+    generated = {
+        (o["kind"], o["metadata"]["name"]): o for o in deploy_secrets.k8s_objects("gyre", "db:5432/gyre")
+    }
+    (tmp_path / "auth.conf").write_text(generated[("ConfigMap", "nats-auth")]["data"]["auth.conf"])  # type: ignore[index]
+    users = {k: base64.b64decode(v).decode() for k, v in generated[("Secret", "nats-users")]["data"].items()}  # type: ignore[attr-defined]
+    ok = _nats_server_accepts(conf, tmp_path, SERVER_NAME="nats-0", NATS_ROUTE_PASSWORD="feed42", **users)
     assert ok.returncode == 0, ok.stderr
+    users.pop(auth.password_variable(auth.WORKER))
+    missing = _nats_server_accepts(
+        conf, tmp_path, SERVER_NAME="nats-0", NATS_ROUTE_PASSWORD="feed42", **users
+    )
+    assert missing.returncode != 0 and "GYRE_NATS_PASSWORD_WORKER" in missing.stderr
 
 
 def test_a_kubernetes_job_declares_the_streams_with_one_replica_per_nats_server() -> None:
@@ -851,5 +997,20 @@ def test_a_kubernetes_job_declares_the_streams_with_one_replica_per_nats_server(
     command = container["command"]
     assert command[:3] == ["python", "-m", "app.launcher.streams"]
     assert int(command[command.index("--replicas") + 1]) == replicas == 3
-    url = next(e["value"] for e in container["env"] if e["name"] == "GYRE_NATS_URL")
-    assert [re.match(r"nats://(nats-\d)\.", u)[1] for u in url.split(",")] == [f"nats-{i}" for i in range(3)]  # type: ignore[index]
+    ref = next(e for e in container["env"] if e["name"] == "GYRE_NATS_URL")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "gyre-nats-streams", "key": "nats-url"}
+    generated = {o["metadata"]["name"]: o for o in deploy_secrets.k8s_objects("gyre", "db:5432/gyre")}
+    url = base64.b64decode(generated["gyre-nats-streams"]["data"]["nats-url"]).decode()  # type: ignore[index]
+    assert [re.match(r"nats://admin:\w+@(nats-\d)\.", u)[1] for u in url.split(",")] == [
+        f"nats-{i}" for i in range(3)
+    ]  # type: ignore[index]
+
+
+def test_the_kubernetes_worker_user_may_do_what_trainer_and_rollout_may_and_nothing_more() -> None:
+    worker = auth.permissions(auth.WORKER)
+    union = {p for s in auth.WORKER_SERVICES for p in auth.permissions(s).publish}
+    assert set(worker.publish) == union
+    assert any(p.startswith("gyre.weights") for p in worker.publish)  # the trainer's
+    assert any(p.startswith("gyre.steps") for p in worker.publish)  # the rollout's
+    assert not any(p.startswith("gyre.leases") for p in worker.publish)  # the scheduler's alone
+    assert worker.subscribe[0] == f"{auth.inbox_prefix(auth.WORKER)}.>"
