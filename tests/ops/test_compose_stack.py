@@ -1,5 +1,6 @@
 """The docker-compose stack for real: built, started, training, a killed container brought back by
-its restart policy and training going on; every anonymous or wrong-credential client refused.
+its restart policy and training going on, no batch trained twice or lost (gyre chaos's counters);
+every anonymous or wrong-credential client refused.
 
 scripts/compose_stack.sh prepares the host as it would for a user (Docker installed and dockerd
 started where missing, compose v2, the base and service images, built only when their inputs
@@ -31,6 +32,7 @@ import psycopg
 import pytest
 import yaml
 
+from app.chaos_counts import batch_states, final_trainer_state
 from gyre import rpc
 from gyre.bus import Bus, auth, subjects
 from gyre.errors import Unavailable
@@ -85,6 +87,8 @@ class Stack:
     def __init__(self, tmp_path: Path) -> None:
         self.project = f"gyretest{uuid.uuid4().hex[:8]}"
         self.env_file = tmp_path / "compose.env"
+        self.run_dir = tmp_path / "run"
+        self.run_dir.mkdir()
         self.override = tmp_path / "compose.test.yml"
         run_config = tmp_path / "run.yaml"
         _run_config(run_config)
@@ -123,7 +127,7 @@ class Stack:
         return int(self.compose("port", service, str(port)).strip().rsplit(":", 1)[1])
 
     def container(self, service: str) -> str:
-        return self.compose("ps", "-q", service).strip()
+        return self.compose("ps", "-a", "-q", service).strip()
 
     def inspect(self, service: str) -> dict[str, Any]:
         out = subprocess.run(
@@ -169,6 +173,16 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
             capture_output=True,
             timeout=300,
         )
+
+
+async def _last_weights_unix_s(url: str) -> float:
+    bus = await Bus.connect(url, name="compose-test", connect_wait_s=10.0)
+    try:
+        event = await bus.last(subjects.weights(RUN_ID), events_pb2.WeightsPublishedEvent)
+    finally:
+        await bus.close()
+    assert event is not None
+    return float(event.weights.created_unix_s)
 
 
 async def _weights_version(url: str) -> int:
@@ -294,3 +308,32 @@ def test_the_compose_stack_trains_refuses_strangers_and_survives_a_killed_traine
     print(f"weights version {after} after the kill at version {killed_at}")
     for service in ("scheduler", "trajectory", "rollout"):
         assert stack.inspect(service)["State"]["Running"], service
+
+    # gyre chaos's loss counters for a trainer kill: no batch trained twice, none lost.
+    stack.compose("stop", "trainer", timeout_s=120)  # drains: its final checkpoint lists every trained batch
+    last_step_unix = asyncio.run(_last_weights_unix_s(observer_url))
+    subprocess.run(
+        ["docker", "cp", f"{stack.container('trainer')}:/data/run/trainer", str(stack.run_dir / "trainer")],
+        check=True,
+        capture_output=True,
+    )
+    trained = list(final_trainer_state(stack.run_dir).get("trained_batch_ids", []))
+    assert trained, "the trainer's final checkpoint lists no trained batch"
+    twice = sorted({b for b in trained if trained.count(b) > 1})
+    assert not twice, f"batches trained twice: {twice}"
+    trajectory_url = (
+        f"postgresql+psycopg://gyre_trajectory:{secrets['GYRE_POSTGRES_PASSWORD_TRAJECTORY']}"
+        f"@127.0.0.1:{stack.port('postgres', 5432)}/gyre"
+    )
+    handed = {
+        b: row
+        for b, row in batch_states(trajectory_url, RUN_ID).items()
+        if row["state"] == "delivered" or (row["state"] == "acked" and (row["trained_at_version"] or 0) >= 0)
+    }
+    lost = [
+        b
+        for b, row in handed.items()
+        if b not in trained and float(row["delivered_unix_s"] or 0) < last_step_unix
+    ]
+    assert not lost, f"batches handed to the trainer before its last step and never trained: {lost}"
+    print(f"{len(set(trained))} batches trained, none twice, none lost")
