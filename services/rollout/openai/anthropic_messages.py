@@ -31,7 +31,8 @@ than the above (`image`, `document`, `redacted_thinking`, server-tool blocks, ..
 
 The response: `content` blocks `thinking` (the model's reasoning, if any, `signature` empty), `text`,
 `tool_use` {id (the chat route's `call_<n>_<call_seq>`), name, input}; `stop_reason` `tool_use`,
-`stop_sequence` (with `stop_sequence`), `end_turn` or `max_tokens`; `usage`; and Gyre's token
+`stop_sequence` (with `stop_sequence`), `end_turn` or `max_tokens` (a call that is not complete, or
+a turn cut by `max_tokens`, comes back as text: tool_calls.py); `usage`; and Gyre's token
 extras (`prompt_token_ids`, `token_ids`, ...) as extra fields. `stream: true`: the whole completion
 is generated (and its step stored) first, then re-told as Anthropic SSE events (`message_start`,
 carrying the extras; per block `content_block_start`, `content_block_delta` with `thinking_delta` /
@@ -307,12 +308,11 @@ def to_chat_request(body: MessagesRequest) -> ChatRequest:
 
 # -- chat result -> Message ----------------------------------------------------------------------
 def _input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as a tool_use `input`: the JSON object, else `{"arguments": <raw text>}`."""
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        return {"arguments": arguments}
-    return parsed if isinstance(parsed, dict) else {"arguments": arguments}
+    """A call's arguments as a tool_use `input`: always a JSON object (tool_calls.is_complete)."""
+    parsed = json.loads(arguments)
+    if not isinstance(parsed, dict):
+        raise TypeError(f"tool call arguments are not a JSON object: {arguments[:80]!r}")
+    return parsed
 
 
 def _stop_sequence(c: Completion, stop_text: str, tokenizer: Tokenizer, stops: list[str]) -> str | None:

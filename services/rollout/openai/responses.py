@@ -10,6 +10,7 @@ from gyre.tokenizers import Tokenizer
 
 from ..engines.base import Completion
 from .schema import ChatRequest
+from .tool_calls import api_turn
 
 
 def extras(prompt: list[int], c: Completion) -> dict[str, Any]:
@@ -88,8 +89,10 @@ def chat_choice(
     index: int, c: Completion, stop_text: str | None, tokenizer: Tokenizer, call_seq: int, parse_tools: bool
 ) -> dict[str, Any]:
     """One chat choice: content, `reasoning_content` (the `<think>` text; its tokens stay in the
-    step), parsed `tool_calls` (ids unique per execution: `call_<n>_<call_seq>`), finish_reason."""
-    turn = tokenizer.parse_assistant(c.token_ids)
+    step), parsed `tool_calls` (ids unique per execution: `call_<n>_<call_seq>`), finish_reason.
+
+    Only complete calls of a finished turn come back as calls; else the text does (tool_calls.py)."""
+    turn = api_turn(tokenizer, c) if parse_tools else tokenizer.parse_assistant(c.token_ids)
     content = turn.content
     if stop_text is not None and content:  # the stop string and what followed it are not content
         content = content[: max(0, len(content) - (len(tokenizer.decode(c.token_ids)) - len(stop_text)))]
