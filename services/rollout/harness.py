@@ -3,6 +3,7 @@
     ExecutionManager.start_group -> for each execution: ExternalHarness.run(spec, env)
         ExecutionEvent STARTED; env.reset()       -> the task (opening messages, task fields)
         issue_execution_endpoint(...)             -> (OPENAI_BASE_URL, OPENAI_API_KEY) of THIS execution
+                                                     (and ANTHROPIC_BASE_URL / _API_KEY / _AUTH_TOKEN)
         run_agent (agent_process.py): launch `harness.command` as the sandbox user
             (own process group, rlimits, cwd = work directory)
             stdin: the task as one JSON object; the same JSON in the file $GYRE_TASK_FILE
@@ -15,13 +16,16 @@
             The trajectory service scores and trains it like any execution
 
 The agent needs nothing from Gyre: the key names the execution, so an agent written against the
-official `openai` client (which reads OPENAI_BASE_URL / OPENAI_API_KEY) lands in one execution of
-the right group. The agent's input contract (docs/rollout.md, "External harness"):
+official `openai` client (which reads OPENAI_BASE_URL / OPENAI_API_KEY), or against the official
+`anthropic` client (ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY or ANTHROPIC_AUTH_TOKEN, on the same
+execution's `/v1/messages`), lands in one execution of the right group. The agent's input contract (docs/rollout.md, "External harness"):
 
     stdin / $GYRE_TASK_FILE: {"run_id", "task_id", "group_id", "execution_id",
                               "messages": [opening chat messages], "task": {task fields},
                               "workdir": cwd of the process}
     environment: OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL ("gyre"; any name is accepted),
+                 ANTHROPIC_BASE_URL (OPENAI_BASE_URL without `/v1`), ANTHROPIC_API_KEY and
+                 ANTHROPIC_AUTH_TOKEN (the same per-execution token), ANTHROPIC_MODEL ("gyre"),
                  GYRE_TASK_FILE, GYRE_EXECUTION_ID (informational), GYRE_SANDBOX (a kill marker),
                  PATH (the interpreter's directory + system), HOME/TMPDIR (in workdir)
     exit status: 0 = the agent finished; anything else = the execution FAILED (stderr tail kept)
@@ -278,6 +282,11 @@ class ExternalHarness:
                 "OPENAI_BASE_URL": base_url,
                 "OPENAI_API_KEY": api_key,
                 "OPENAI_MODEL": "gyre",
+                # the same execution for an Anthropic client (it appends /v1/messages itself)
+                "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+                "ANTHROPIC_API_KEY": api_key,
+                "ANTHROPIC_AUTH_TOKEN": api_key,
+                "ANTHROPIC_MODEL": "gyre",
                 "GYRE_TASK_FILE": str(task_file),
                 "GYRE_EXECUTION_ID": spec.execution_id,
             }
