@@ -502,7 +502,6 @@ def run_soak(
             progress(f"could not read the trajectory's batches: {exc!r}")
             in_store = None
     wall_s = time.time() - started
-    report = finish_run(out_dir, outcome, wall_s=wall_s, seed=common.seed)
     faults = [Fault(k.target, k.step_at_kill, k.delay_s, injected_at=k.injected_at) for k in kills]
     counters = tally(out_dir, outcome.final_stats, faults, in_store)
     history = version_history(out_dir / "events.jsonl", job.num_steps, stall_s, started)
@@ -523,13 +522,22 @@ def run_soak(
         "stalls": history["version_gaps_over_stall"] + (0 if outcome.reached_steps else 1),
         **counters,
         "executions_live_at_kills": counters["executions_live_at_kill"],
-        "learned": bool(report.summary.get("learned")),
         "kills": [asdict(k) for k in kills],
     }
+    # The counters are kept before anything else can fail: a long soak is not run twice for them.
+    (out_dir / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        report = finish_run(out_dir, outcome, wall_s=wall_s, seed=common.seed)
+        result["learned"] = bool(report.summary.get("learned"))
+    except Exception as exc:  # reported: the report is not what the soak judges
+        result["learned"], result["report_error"] = None, repr(exc)
     if probe:
         from app.exactly_once import run_probe
 
-        result.update(run_probe(out_dir / "exactly_once", effective, steps=8, seed=seed))
+        try:
+            result.update(run_probe(out_dir / "exactly_once", effective, steps=8, seed=seed))
+        except Exception as exc:  # reported, and not ok: the trainer was not shown bitwise equal
+            result["trainer_bitwise_equal"], result["probe_error"] = None, repr(exc)
     result["ok"] = bool(
         result["completed"]
         and result["kills_made"] == num_kills
