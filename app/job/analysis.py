@@ -17,7 +17,14 @@ them; the last window also holds what was scored after version N (the run's drai
 window also holds step 0's warm-up. `reward_first20` and `reward_last20`
 are the mean reward of the samples in those steps, each with a 95% percentile-bootstrap interval.
 The run **learned** iff the 95% bootstrap interval of the difference `last20 - first20` lies
-entirely above 0 — the improvement is larger than the sampling noise of both windows.
+entirely above 0 — the improvement is larger than the sampling noise of both windows. Below
+MIN_SAMPLES_PER_WINDOW samples in either window (or fewer than 2 trainer steps) there is no verdict:
+the run is "too few steps to judge", neither yes nor no (a percentile bootstrap of 2 samples is far
+too narrow; a 1-step random run must not read as learned).
+
+The per-step reward samples come from one place, `RewardSamples`, which both the report and the
+live progress line (app/job/progress.py) feed with the same records: the live line's reward of a
+step is the report's reward of that step.
 
 Learning health, per step: the trainer's `entropy` (nats, of generated tokens), `kl_behaviour`
 (KL from the behaviour policy) and `clip_fraction` (from the weights event's metrics, see
@@ -78,9 +85,14 @@ STALL_RULE = (
     f"the scored groups have zero variance (equal rewards, every advantage 0: no learning signal) while the mean reward "
     f"is below {STALL_REWARD_FRACTION:.0%} of the oracle's"
 )
+MIN_SAMPLES_PER_WINDOW = 8
+"""Reward samples (groups) each window needs before the run is judged at all."""
+TOO_FEW_TO_JUDGE = "too few steps to judge"
 LEARNED_RULE = (
     "learned iff the 95% bootstrap interval of (reward_last20 - reward_first20) lies entirely above 0, "
-    "i.e. the last 20% of trainer steps beat the first 20% by more than the sampling noise of both"
+    "i.e. the last 20% of trainer steps beat the first 20% by more than the sampling noise of both; "
+    f"not judged ('{TOO_FEW_TO_JUDGE}') with fewer than {MIN_SAMPLES_PER_WINDOW} reward samples "
+    "(groups) in either window"
 )
 
 
@@ -89,10 +101,22 @@ class RewardVerdict:
     first20: Interval
     last20: Interval
     delta: Interval
-    learned: bool
+    learned: bool  # False when not judged
     first_steps: tuple[int, int]  # inclusive step range
     last_steps: tuple[int, int]
     rule: str = LEARNED_RULE
+    judged: bool = True  # False: fewer than MIN_SAMPLES_PER_WINDOW samples in a window
+
+    @property
+    def outcome(self) -> str:
+        """'yes', 'no' or 'too few steps to judge'."""
+        return ("yes" if self.learned else "no") if self.judged else TOO_FEW_TO_JUDGE
+
+    def why_not_judged(self) -> str:
+        return (
+            f"{self.first20.n} and {self.last20.n} reward samples (groups) in the first and last 20% of "
+            f"steps; the verdict needs at least {MIN_SAMPLES_PER_WINDOW} in each"
+        )
 
 
 @dataclass
@@ -243,22 +267,65 @@ def window_steps(num_steps: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def reward_verdict(steps: list[StepRow], num_steps: int, *, seed: int = 0) -> RewardVerdict | None:
-    """reward_first20 / reward_last20 with intervals and the learning verdict; None without 2 steps."""
+    """reward_first20 / reward_last20 with intervals and the learning verdict (not judged below
+    MIN_SAMPLES_PER_WINDOW samples in a window); None without 2 steps."""
     if num_steps < 2:
         return None
     (f0, f1), (l0, l1) = window_steps(num_steps)
     first = [x for r in steps if f0 <= r.step <= f1 for x in r.reward_samples]
     last = [x for r in steps if l0 <= r.step <= l1 for x in r.reward_samples]
+    judged = min(len(first), len(last)) >= MIN_SAMPLES_PER_WINDOW
     delta = bootstrap_difference(first, last, seed=seed)
-    learned = not math.isnan(delta.low) and delta.low > 0
     return RewardVerdict(
         first20=bootstrap_mean(first, seed=seed),
         last20=bootstrap_mean(last, seed=seed + 2),
         delta=delta,
-        learned=learned,
+        learned=judged and not math.isnan(delta.low) and delta.low > 0,
         first_steps=(f0, f1),
         last_steps=(l0, l1),
+        judged=judged,
     )
+
+
+@dataclass
+class RewardSamples:
+    """The reward samples of each trainer step, from the records fed to `add` in any order: one
+    per group and step, the mean score of the group's executions that ended in that step; without
+    any execution event, the scored groups' reward_mean (module docstring). The report (`analyse`)
+    and the live line (progress.RunTracker) both use it, so they show the same numbers."""
+
+    publish_times: dict[int, float] = field(default_factory=dict)
+    ended: list[tuple[float, str, float]] = field(default_factory=list)  # (time, group, score)
+    scored: list[tuple[float, float]] = field(default_factory=list)  # (time, reward_mean)
+
+    def add(self, r: TypedRecord) -> None:
+        ev = r.event
+        if isinstance(ev, events_pb2.WeightsPublishedEvent):
+            version = int(ev.weights.version)
+            if version not in self.publish_times or r.time < self.publish_times[version]:
+                self.publish_times[version] = r.time
+        elif isinstance(ev, events_pb2.GroupScoredEvent) and not math.isnan(ev.reward_mean):
+            self.scored.append((r.time, ev.reward_mean))
+        elif isinstance(ev, events_pb2.ExecutionEvent) and enum_name(ev, "kind") in _TERMINAL_KINDS:
+            self.ended.append((r.time, ev.group_id or ev.execution_id, typed_execution_score(ev)))
+
+    @property
+    def num_steps(self) -> int:
+        return max((v for v in self.publish_times if v > 0), default=0)
+
+    def by_step(self) -> list[list[float]]:
+        """Samples of steps 0..num_steps (what a step ended after the last publication: the last)."""
+        clock, last = _StepClock(self.publish_times), self.num_steps
+        out: list[list[float]] = [[] for _ in range(last + 1)]
+        groups: dict[tuple[int, str], list[float]] = defaultdict(list)
+        for t, group, score in self.ended:
+            groups[(min(clock.step_at(t), last), group)].append(score)
+        for (step, _group), scores in sorted(groups.items()):
+            out[step].append(statistics.fmean(scores))
+        if not groups:
+            for t, reward in self.scored:
+                out[min(clock.step_at(t), last)].append(reward)
+        return out
 
 
 def step_reward(row: StepRow) -> list[float]:
@@ -431,7 +498,6 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
 
     execution_counts: Counter[str] = Counter()
     ended_at: dict[str, float] = {}
-    group_scores: dict[tuple[int, str], list[float]] = defaultdict(list)
     for r in by_type["ExecutionEvent"]:
         ev = r.event
         assert isinstance(ev, events_pb2.ExecutionEvent)
@@ -446,12 +512,11 @@ def analyse(records: list[dict[str, Any]], *, seed: int = 0) -> RunAnalysis:
             row.progress_samples.append(frac if frac is not None else score)
             if progress is not None and "oracle_reward" in progress.extra:
                 row.oracle_samples.append(float(progress.extra["oracle_reward"]))
-            group_scores[(row.step, ev.group_id or ev.execution_id)].append(score)
-    for (step, _group), scores in sorted(group_scores.items()):
-        steps[step].reward_samples.append(statistics.fmean(scores))
-    if not group_scores:
-        for row in steps:
-            row.reward_samples = list(row.scored_samples)
+    rewards = RewardSamples()
+    for r in rows_typed:
+        rewards.add(r)
+    for row, samples in zip(steps, rewards.by_step(), strict=True):
+        row.reward_samples = samples
 
     batch_times: list[float] = []
     batch_versions: list[int] = []

@@ -89,7 +89,10 @@ def plot_reward(a: RunAnalysis, path: Path) -> Path:
     ax.set_ylabel("reward incl. partial progress")
     title = "Reward per trainer step"
     if v is not None:
-        title += f" — {'learned' if v.learned else 'no significant improvement'} (Δ={v.delta.mean:+.3f})"
+        if not v.judged:
+            title += f" — {v.outcome}"
+        else:
+            title += f" — {'learned' if v.learned else 'no significant improvement'} (Δ={v.delta.mean:+.3f})"
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")

@@ -22,12 +22,13 @@ from rich.table import Table
 
 from app.job.analysis import (
     ROLE_NAMES,
+    RewardSamples,
     StallWarning,
     StepRow,
     detect_stall,
-    execution_score,
     teaches_nothing,
 )
+from app.job.typed_events import typed
 
 Record = dict[str, Any]
 
@@ -45,7 +46,7 @@ class RunTracker:
         self.version_times: dict[int, float] = {}
         self.last_metrics: dict[str, float] = {}
         self.rewards: list[float] = []  # group rewards, in arrival order
-        self.step_rewards: dict[int, list[float]] = {}
+        self.reward_samples = RewardSamples()  # the report's per-step reward samples, same records
         self.roles: dict[str, str] = {}
         self.executions: dict[str, int] = {"started": 0, "ended": 0}
         self.num_steps_seen = 0
@@ -62,6 +63,8 @@ class RunTracker:
     def update(self, record: Record) -> None:
         kind, ev = record["type"], record["event"]
         now = time.time()
+        if kind in ("WeightsPublishedEvent", "GroupScoredEvent", "ExecutionEvent"):
+            self.reward_samples.add(typed(record))
         if kind == "WeightsPublishedEvent":
             v = int((ev.get("weights") or {}).get("version", 0))
             self.step_versions.append(v)
@@ -71,9 +74,7 @@ class RunTracker:
             if self.version >= self.target_steps:
                 self.steps_done.set()
         elif kind == "GroupScoredEvent":
-            r = float(ev.get("reward_mean", 0.0))
-            self.rewards.append(r)
-            self.step_rewards.setdefault(self.version, []).append(r)
+            self.rewards.append(float(ev.get("reward_mean", 0.0)))
             counts = self.step_groups.setdefault(self.version, [0, 0])
             counts[0] += 1
             counts[1] += teaches_nothing(ev)
@@ -85,8 +86,6 @@ class RunTracker:
                 oracle = ((ev.get("progress") or {}).get("extra") or {}).get("oracle_reward")
                 if oracle is not None:
                     self.step_oracle.setdefault(self.version, []).append(float(oracle))
-                if not self.rewards:  # before any group is scored, show execution scores
-                    self.step_rewards.setdefault(self.version, []).append(execution_score(ev))
         elif kind == "StepEvent":
             self.num_steps_seen += 1
             n = int(ev.get("num_completion_tokens", 0))
@@ -113,16 +112,14 @@ class RunTracker:
         return sum(n for _, n in self._token_window) / span
 
     def recent_reward(self) -> float | None:
-        for v in sorted(self.step_rewards, reverse=True):
-            if self.step_rewards[v]:
-                return statistics.fmean(self.step_rewards[v])
-        return None
+        """The reward of the latest step with a sample: the report's reward of that step."""
+        steps = [xs for xs in self.reward_samples.by_step() if xs]
+        return statistics.fmean(steps[-1]) if steps else None
 
     def first_reward(self) -> float | None:
-        for v in sorted(self.step_rewards):
-            if self.step_rewards[v]:
-                return statistics.fmean(self.step_rewards[v])
-        return None
+        """The reward of the first step with a sample: the report's reward of that step."""
+        steps = [xs for xs in self.reward_samples.by_step() if xs]
+        return statistics.fmean(steps[0]) if steps else None
 
     def oracle_reward(self) -> float | None:
         """Mean oracle reward of the ended executions (None: the environment reports none)."""
@@ -141,6 +138,7 @@ class RunTracker:
     def stall(self) -> StallWarning | None:
         """The report's stall rule over the steps seen so far (None: no stall)."""
         rows = []
+        samples = self.reward_samples.by_step()
         for v in range(self.version + 1):
             groups, zero = self.step_groups.get(v, [0, 0])
             rows.append(
@@ -148,7 +146,7 @@ class RunTracker:
                     step=v,
                     start_s=0.0,
                     end_s=0.0,
-                    reward_samples=list(self.step_rewards.get(v, [])),
+                    reward_samples=list(samples[v]) if v < len(samples) else [],
                     num_groups=groups,
                     num_zero_variance_groups=zero,
                     oracle_samples=list(self.step_oracle.get(v, [])),

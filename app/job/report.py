@@ -21,7 +21,15 @@ from typing import Any
 import yaml
 
 from app.job import plots
-from app.job.analysis import LEARNED_RULE, STALL_RULE, Interval, RunAnalysis, analyse
+from app.job.analysis import (
+    LEARNED_RULE,
+    MIN_SAMPLES_PER_WINDOW,
+    STALL_RULE,
+    TOO_FEW_TO_JUDGE,
+    Interval,
+    RunAnalysis,
+    analyse,
+)
 from app.job.busy import BusyTime, load_busy_time
 from app.job.eventlog import EVENT_LOG_NAME, read_events
 from app.job.faults import RunFaults, faults_markdown, read_faults
@@ -60,8 +68,26 @@ def _num(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
 
 
-def _interval_json(iv: Interval) -> dict[str, Any]:
+def _interval_json(iv: Interval) -> dict[str, Any] | None:
+    """An interval for summary.json; None when it has no sample (its mean would be nan)."""
+    if iv.n == 0 or not math.isfinite(iv.mean):
+        return None
     return {"mean": _num(iv.mean), "low": _num(iv.low), "high": _num(iv.high), "n": iv.n}
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None: JSON has no nan (summary.json)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def _iv(iv: Interval) -> str:
+    return iv.fmt() if iv.n and math.isfinite(iv.mean) else f"n/a (n={iv.n})"
 
 
 def _distribution(values: list[int]) -> dict[str, float | None]:
@@ -152,11 +178,19 @@ def summary_of(
             reward_last20=_interval_json(v.last20),
             reward_delta=_interval_json(v.delta),
             learned=v.learned,
+            verdict=v.outcome,
             first20_steps=list(v.first_steps),
             last20_steps=list(v.last_steps),
         )
     else:
-        out.update(reward_first20=None, reward_last20=None, reward_delta=None, learned=False)
+        out.update(
+            reward_first20=None,
+            reward_last20=None,
+            reward_delta=None,
+            learned=False,
+            verdict=TOO_FEW_TO_JUDGE,
+        )
+    out["min_samples_per_window"] = MIN_SAMPLES_PER_WINDOW
     out["learned_rule"] = LEARNED_RULE
     out.update(learning_health_summary(a))
     if extra:
@@ -238,12 +272,19 @@ def headline(a: RunAnalysis, incomplete: str | None = None) -> list[str]:
             "learned: not judged (the run did not complete)",
         ]
     if v is None:
-        return ["reward_first20: n/a (fewer than 2 trainer steps)", "reward_last20: n/a", "learned: no"]
+        return [
+            "reward_first20: n/a (fewer than 2 trainer steps)",
+            "reward_last20: n/a",
+            f"learned: {TOO_FEW_TO_JUDGE} (fewer than 2 trainer steps)",
+        ]
     lines = [
-        f"reward_first20: {v.first20.fmt()}  (steps {v.first_steps[0]}-{v.first_steps[1]}, 95% bootstrap CI)",
-        f"reward_last20:  {v.last20.fmt()}  (steps {v.last_steps[0]}-{v.last_steps[1]}, 95% bootstrap CI)",
-        f"improvement:    {v.delta.fmt()}  -> learned: {'yes' if v.learned else 'no'}",
+        f"reward_first20: {_iv(v.first20)}  (steps {v.first_steps[0]}-{v.first_steps[1]}, 95% bootstrap CI)",
+        f"reward_last20:  {_iv(v.last20)}  (steps {v.last_steps[0]}-{v.last_steps[1]}, 95% bootstrap CI)",
     ]
+    if v.judged:
+        lines.append(f"improvement:    {v.delta.fmt()}  -> learned: {v.outcome}")
+    else:
+        lines.append(f"learned: {TOO_FEW_TO_JUDGE} ({v.why_not_judged()})")
     share = learning_health_summary(a).get("reward_last20_of_oracle")
     if share is not None:
         lines.append(f"reward_last20 / oracle: {share:.1%}")
@@ -482,7 +523,8 @@ def build_report(run_dir: Path, *, extra: dict[str, Any] | None = None, seed: in
         summary["learned_over_steps_run"] = summary["learned"]
         summary["learned"] = False
     summary_path = run_dir / SUMMARY_NAME
-    summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    text = json.dumps(finite_json(summary), indent=2, sort_keys=True, allow_nan=False)
+    summary_path.write_text(text + "\n", encoding="utf-8")
     return Report(analysis, report_path, summary_path, plot_paths, summary)
 
 

@@ -19,14 +19,15 @@ def test_compare_prints_each_run_side_by_side(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], synthetic_run: Callable[..., Path]
 ) -> None:
     rising, flat = tmp_path / "rising", tmp_path / "flat"
-    synthetic_run(rising, num_steps=5, reward_slope=0.1)
-    synthetic_run(flat, num_steps=5, reward_slope=0.0)
+    # 10 steps: 8 group samples in the first window, the verdict's minimum (5 would be too few to judge)
+    synthetic_run(rising, num_steps=10, reward_slope=0.06)
+    synthetic_run(flat, num_steps=10, reward_slope=0.0)
     quickstart = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
     (rising / "config.yaml").write_text(quickstart.read_text())
     assert compare.main([str(rising), str(flat), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out[str(rising)]["measured"]["learned"] is True
-    assert out[str(rising)]["measured"]["num_steps"] == 5
+    assert out[str(rising)]["measured"]["num_steps"] == 10
     predicted = out[str(rising)]["predicted"]
     assert predicted is not None, out[str(rising)]["prediction_note"]
     assert predicted["time_per_step_s"] > 0 and 0 <= predicted["idle_fraction_busy"] <= 1
