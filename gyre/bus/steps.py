@@ -42,10 +42,11 @@ _COMPLETION_TOKEN_BYTES = 6 + 4 + 11
 _TOKEN_FIELDS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "completion_versions")
 
 
-def token_crc32(tokens: np.ndarray | Sequence[int]) -> int:
-    """CRC-32 (zlib) of token ids as little-endian int32: the check of a rebuilt prompt."""
+def token_crc32(tokens: np.ndarray | Sequence[int], value: int = 0) -> int:
+    """CRC-32 (zlib) of token ids as little-endian int32: the check of a rebuilt prompt. `value`: the
+    CRC of the tokens before these (zlib's running value), so a CRC can be extended piece by piece."""
     arr = np.ascontiguousarray(np.asarray(tokens, dtype="<i4"))
-    return zlib.crc32(arr.data.cast("B"))
+    return zlib.crc32(arr.data.cast("B"), value)
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -162,12 +163,19 @@ def reference_problem(step: StepEvent, base_total_len: int | None) -> str | None
 def prompt_check(step: StepEvent, prompt: np.ndarray) -> str | None:
     """Why the rebuilt `prompt` of a compact step differs from what the producer sent (its length and
     CRC-32), or None when it matches or the step carries no check."""
+    if step.prompt_num_tokens <= 0 or len(prompt) != step.prompt_num_tokens:
+        return prompt_sum_problem(step, len(prompt), 0)
+    return prompt_sum_problem(step, len(prompt), token_crc32(prompt))
+
+
+def prompt_sum_problem(step: StepEvent, num_tokens: int, crc: int) -> str | None:
+    """`prompt_check` given the rebuilt prompt's length and CRC-32 only (a consumer that keeps running
+    CRCs of its sequences checks a compact prompt without rebuilding it)."""
     if step.prompt_num_tokens <= 0:
         return None
     where = f"step {step.execution_id}.{step.call_seq}"
-    if len(prompt) != step.prompt_num_tokens:
-        return f"{where}: rebuilt prompt has {len(prompt)} tokens, the producer sent {step.prompt_num_tokens}"
-    crc = token_crc32(prompt)
+    if num_tokens != step.prompt_num_tokens:
+        return f"{where}: rebuilt prompt has {num_tokens} tokens, the producer sent {step.prompt_num_tokens}"
     if crc != step.prompt_crc32:
         return f"{where}: rebuilt prompt's CRC-32 {crc:#010x} differs from the producer's {step.prompt_crc32:#010x}"
     return None

@@ -17,8 +17,10 @@ duplicate and changes nothing. A compact step whose base call is not stored yet 
 waiting (the caller has it redelivered). Invalid steps are stored as rejections with their reason,
 and the rest of their batch is stored. Execution end events keep the first ending.
 
-Compact steps (gyre.bus.steps): the prompt is rebuilt from the base call's sequence in the tree and
-checked against the producer's length and CRC-32. A reference that cannot be resolved - not an
+Compact steps (gyre.bus.steps) cost their new tokens, not their context: the prompt is never rebuilt.
+Its CRC-32 continues the CRC kept for the base call's path (`tree.prefix_crc32`: the nodes above the
+base length, plus part of one node) and is checked with the length against the producer's; the call
+is inserted from the last node boundary of that path (`TaskTree.insert_call_after`). A reference that cannot be resolved - not an
 earlier call, a base length beyond the base call, a rebuilt prompt that fails its check, or a base
 call still missing after `BASE_WAIT_LIMIT` deliveries - is never stored approximately: the step is
 rejected with the reason and handed to `on_unresolved` (the service dead-letters it).
@@ -37,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from gyre.bus.steps import prompt_check, rebuild_prompt, reference_problem
+from gyre.bus.steps import prompt_sum_problem, reference_problem, token_crc32
 from gyre.errors import InvalidArgument
 from gyre.v1 import events_pb2, trajectory_pb2
 from gyre.validation import step_problem
@@ -58,6 +60,7 @@ from services.trajectory.tree import (
     CallRecord,
     Node,
     TaskTree,
+    prefix_crc32,
 )
 
 log = logging.getLogger("gyre.trajectory")
@@ -264,7 +267,6 @@ class StepIngest:
                 summary.num_duplicates += 1
                 continue
             prompt = d.prompt
-            known_prefix: tuple[Node, int] | None
             if step.HasField("prompt_base_call_seq"):
                 key = (step.execution_id, step.call_seq)
                 base = tree.calls.get((step.execution_id, step.prompt_base_call_seq))
@@ -279,12 +281,9 @@ class StepIngest:
                         continue
                     problem = f"{problem} after {waits} deliveries: the reference cannot be resolved"
                 if base is not None and problem is None:
-                    last = self._last_sequences.get(step.execution_id)
-                    base_seq = (
-                        last[1] if last is not None and last[0] is base else tree.sequence(base.end_node)
-                    )
-                    prompt = rebuild_prompt(step, base_seq)
-                problem = problem or prompt_check(step, prompt)
+                    # The prompt is never rebuilt: its CRC continues the base path's kept CRC.
+                    crc = token_crc32(prompt, prefix_crc32(base.end_node, step.prompt_base_len))
+                    problem = prompt_sum_problem(step, step.prompt_base_len + len(prompt), crc)
                 if problem is not None:
                     self._waits.pop(key, None)
                     self._reject(summary, batch, _rejection(step, problem))
@@ -292,7 +291,18 @@ class StepIngest:
                     continue
                 self._waits.pop(key, None)
                 assert base is not None
-                known_prefix = (base.end_node, step.prompt_base_len)
+                rec, changes = tree.insert_call_after(
+                    step.execution_id,
+                    step.call_seq,
+                    base.end_node,
+                    step.prompt_base_len,
+                    prompt,
+                    d.completion,
+                    d.logprobs,
+                    d.versions,
+                    step.agent_id or "main",
+                )
+                self._forget(step.execution_id)  # its full sequence is not kept: never needed again
             else:
                 last = self._last_sequences.get(step.execution_id)
                 previous = tree.calls.get((step.execution_id, step.call_seq - 1))
@@ -303,20 +313,21 @@ class StepIngest:
                     prompt,
                     last[1] if last is not None and previous is not None and last[0] is previous else None,
                 )
-            rec, changes = tree.insert_call(
-                step.execution_id,
-                step.call_seq,
-                prompt,
-                d.completion,
-                d.logprobs,
-                d.versions,
-                step.agent_id or "main",
-                known_prefix,
-            )
+                rec, changes = tree.insert_call(
+                    step.execution_id,
+                    step.call_seq,
+                    prompt,
+                    d.completion,
+                    d.logprobs,
+                    d.versions,
+                    step.agent_id or "main",
+                    known_prefix,
+                )
+                if rec is not None:
+                    self._remember(rec, prompt, d.completion)
             if rec is None:  # a duplicate the tree found itself
                 summary.num_duplicates += 1
                 continue
-            self._remember(rec, prompt, d.completion)
             for n in changes.created:
                 batch.nodes[n.node_id] = (step.task_id, n)
                 batch.created.add(n.node_id)
@@ -344,6 +355,11 @@ class StepIngest:
                 info.last_step_progress = (step.call_seq, d.progress)
             summary.num_stored += 1
         return batch
+
+    def _forget(self, execution_id: str) -> None:
+        last = self._last_sequences.pop(execution_id, None)
+        if last is not None:
+            self._remembered_tokens -= len(last[1])
 
     def _remember(self, rec: CallRecord, prompt: np.ndarray, completion: np.ndarray) -> None:
         """Keep `rec`'s whole sequence as its execution's latest, if it is the latest call seen."""

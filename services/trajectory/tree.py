@@ -27,6 +27,7 @@ trained there. ``owned_positions`` computes that set per execution.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -42,7 +43,7 @@ VERSION_DTYPE = np.int64
 class Node:
     """A segment of tokens; its first token sits at position ``start`` of every sequence through it."""
 
-    __slots__ = ("node_id", "parent", "tokens", "start", "children", "num_call_ends")
+    __slots__ = ("node_id", "parent", "tokens", "start", "children", "num_call_ends", "crc_end")
 
     def __init__(self, node_id: int, parent: Node | None, tokens: np.ndarray, start: int) -> None:
         self.node_id = node_id
@@ -51,6 +52,9 @@ class Node:
         self.start = start
         self.children: dict[int, Node] = {}
         self.num_call_ends = 0  # calls (of any execution) whose sequence ends exactly here
+        # CRC-32 of every token from the root to this node's end (gyre.bus.steps.token_crc32), computed
+        # when first asked for (`path_crc32`); a split leaves the lower part's value valid.
+        self.crc_end: int | None = None
 
     @property
     def end(self) -> int:
@@ -79,6 +83,50 @@ class Node:
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Node({self.node_id}, start={self.start}, len={len(self.tokens)})"
+
+
+_NO_TOKENS = np.zeros(0, dtype=TOKEN_DTYPE)
+
+
+def _crc(tokens: np.ndarray, value: int) -> int:
+    return zlib.crc32(np.ascontiguousarray(tokens, dtype="<i4").data.cast("B"), value)
+
+
+def path_crc32(node: Node) -> int:
+    """CRC-32 of the sequence from the root to the end of `node` (as `gyre.bus.steps.token_crc32`).
+
+    Kept per node once computed, so the CRC of a path that grows by a call costs the new tokens only."""
+    pending: list[Node] = []
+    n: Node | None = node
+    while n is not None and n.node_id >= 0 and n.crc_end is None:
+        pending.append(n)
+        n = n.parent
+    value = n.crc_end if n is not None and n.node_id >= 0 and n.crc_end is not None else 0
+    for p in reversed(pending):
+        value = p.crc_end = _crc(p.tokens, value)
+    return value
+
+
+def locate(node: Node, k: int) -> tuple[Node, Node | None]:
+    """On the path from the root to `node` (whose end is at least `k`): the deepest node ending at or
+    before position `k` (the virtual root if none), and the next node on the path (None when the
+    first one is `node` itself). Walks up from `node`: as many steps as nodes end after `k`."""
+    after: Node | None = None
+    n = node
+    while n.node_id >= 0 and n.end > k:
+        assert n.parent is not None
+        after, n = n, n.parent
+    return n, after
+
+
+def prefix_crc32(node: Node, k: int) -> int:
+    """CRC-32 of the first `k` tokens of the sequence ending at `node` (k <= node.end): the kept CRC
+    of the path above plus the tokens of one node."""
+    upper, after = locate(node, k)
+    value = path_crc32(upper) if upper.node_id >= 0 else 0
+    if after is not None and k > after.start:
+        value = _crc(after.tokens[: k - after.start], value)
+    return value
 
 
 @dataclass(slots=True)
@@ -167,33 +215,33 @@ class TaskTree:
                 "cannot insert an empty token sequence: a call needs prompt or completion tokens"
             )
         changes = changes if changes is not None else TreeChanges()
-        node, pos, n = self.root, 0, len(seq)
+        node, pos = self.root, 0
         if known_prefix is not None:
-            hint, k = known_prefix
-            while hint.node_id >= 0 and hint.end > min(k, n):
-                assert hint.parent is not None
-                hint = hint.parent
-            node, pos = hint, (hint.end if hint.node_id >= 0 else 0)
-        while pos < n:
-            child = node.children.get(int(seq[pos]))
+            node, _ = locate(known_prefix[0], min(known_prefix[1], len(seq)))
+            pos = node.end if node.node_id >= 0 else 0
+        return self._descend(node, pos, seq[pos:], changes)
+
+    def _descend(self, node: Node, pos: int, rest: np.ndarray, changes: TreeChanges) -> Node:
+        """Insert `rest`, the tokens from position `pos` on of a sequence whose first `pos` tokens are
+        the path to `node` (which ends at `pos`); return the node the sequence ends at."""
+        i, n = 0, len(rest)
+        while i < n:
+            child = node.children.get(int(rest[i]))
             if child is None:
-                new = Node(self.ids.take(), node, seq[pos:].copy(), pos)
-                node.children[int(seq[pos])] = new
+                new = Node(self.ids.take(), node, rest[i:].copy(), pos + i)
+                node.children[int(rest[i])] = new
                 self.nodes[new.node_id] = new
                 changes.created.append(new)
                 return new
             seg = child.tokens
-            m = min(len(seg), n - pos)
-            a, b = seg[:m], seq[pos : pos + m]
-            if np.array_equal(a, b):
-                k = m
-            else:
-                k = int(np.argmax(a != b))
+            m = min(len(seg), n - i)
+            a, b = seg[:m], rest[i : i + m]
+            k = m if np.array_equal(a, b) else int(np.argmax(a != b))
             if k == len(seg):
-                node, pos = child, pos + k
+                node, i = child, i + k
                 continue
             node = self._split(child, k, changes)
-            pos += k
+            i += k
         return node
 
     def _split(self, child: Node, k: int, changes: TreeChanges) -> Node:
@@ -227,26 +275,80 @@ class TaskTree:
         changes = TreeChanges()
         if (execution_id, call_seq) in self.calls:
             return None, changes
+        self._check_lengths(execution_id, call_seq, completion, logprobs, versions)
+        seq = np.concatenate([np.asarray(prompt, TOKEN_DTYPE), np.asarray(completion, TOKEN_DTYPE)])
+        end = self.insert_sequence(seq, changes, known_prefix)
+        return self._record(execution_id, call_seq, end, len(prompt), logprobs, versions, agent_id), changes
+
+    def insert_call_after(
+        self,
+        execution_id: str,
+        call_seq: int,
+        base: Node,
+        base_len: int,
+        prompt_tail: np.ndarray,
+        completion: np.ndarray,
+        logprobs: np.ndarray,
+        versions: np.ndarray,
+        agent_id: str = "main",
+    ) -> tuple[CallRecord | None, TreeChanges]:
+        """`insert_call` of a call whose prompt is the first `base_len` tokens of the sequence ending at
+        `base` followed by `prompt_tail` (a compact step): only the tokens after the last node boundary
+        at or before `base_len` are compared or copied, never the shared prefix (O(new tokens))."""
+        changes = TreeChanges()
+        if (execution_id, call_seq) in self.calls:
+            return None, changes
+        self._check_lengths(execution_id, call_seq, completion, logprobs, versions)
+        if not 0 <= base_len <= base.end:
+            raise InvalidArgument(
+                f"call {execution_id}.{call_seq}: base length {base_len} beyond its base call"
+            )
+        if base_len + len(prompt_tail) + len(completion) == 0:
+            raise InvalidArgument(
+                "cannot insert an empty token sequence: a call needs prompt or completion tokens"
+            )
+        upper, after = locate(base, base_len)
+        head = after.tokens[: base_len - after.start] if after is not None else _NO_TOKENS
+        rest = np.concatenate(
+            [head, np.asarray(prompt_tail, TOKEN_DTYPE), np.asarray(completion, TOKEN_DTYPE)]
+        )
+        end = self._descend(upper, upper.end if upper.node_id >= 0 else 0, rest, changes)
+        prompt_len = base_len + len(prompt_tail)
+        return self._record(execution_id, call_seq, end, prompt_len, logprobs, versions, agent_id), changes
+
+    @staticmethod
+    def _check_lengths(
+        execution_id: str, call_seq: int, completion: np.ndarray, logprobs: np.ndarray, versions: np.ndarray
+    ) -> None:
         if not (len(completion) == len(logprobs) == len(versions)):
             raise InvalidArgument(
                 f"call {execution_id}.{call_seq}: completion_token_ids ({len(completion)}), "
                 f"completion_logprobs ({len(logprobs)}) and completion_versions ({len(versions)}) "
                 "must have the same length"
             )
-        seq = np.concatenate([np.asarray(prompt, TOKEN_DTYPE), np.asarray(completion, TOKEN_DTYPE)])
-        end = self.insert_sequence(seq, changes, known_prefix)
+
+    def _record(
+        self,
+        execution_id: str,
+        call_seq: int,
+        end: Node,
+        prompt_len: int,
+        logprobs: np.ndarray,
+        versions: np.ndarray,
+        agent_id: str,
+    ) -> CallRecord:
         end.num_call_ends += 1
         rec = CallRecord(
             execution_id,
             call_seq,
             end,
-            len(prompt),
+            prompt_len,
             np.asarray(logprobs, LOGPROB_DTYPE).copy(),
             np.asarray(versions, VERSION_DTYPE).copy(),
             agent_id,
         )
         self.add_record(rec)
-        return rec, changes
+        return rec
 
     def add_record(self, rec: CallRecord) -> None:
         self.calls[(rec.execution_id, rec.call_seq)] = rec
@@ -356,11 +458,18 @@ class TaskTree:
 
     def completion_tokens(self, execution_id: str) -> np.ndarray:
         """All completion tokens of the execution, in call order (the action sequence, for dedup)."""
-        parts = [
-            self.export_call(r).completion_token_ids
-            for _, r in sorted(self.calls_by_execution[execution_id].items())
-        ]
+        parts = [self.completion_of(r) for _, r in sorted(self.calls_by_execution[execution_id].items())]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=TOKEN_DTYPE)
+
+    def completion_of(self, rec: CallRecord) -> np.ndarray:
+        """The call's completion tokens, read from the nodes its completion spans (not its whole path)."""
+        pieces: list[np.ndarray] = []
+        n: Node | None = rec.end_node
+        while n is not None and n.node_id >= 0 and n.end > rec.prompt_len:
+            pieces.append(n.tokens[max(0, rec.prompt_len - n.start) :])
+            n = n.parent
+        pieces.reverse()
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=TOKEN_DTYPE)
 
     def signature(self, execution_id: str) -> tuple[tuple[int, int, int], ...]:
         """Identity of an execution's token content: equal signatures = exact duplicate executions."""

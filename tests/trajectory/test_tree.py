@@ -235,7 +235,7 @@ def test_ingest_remembering_each_executions_last_sequence_builds_the_same_tree_i
     for i in range(0, len(steps), 7):
         decoded, rejected = decode_steps(steps[i : i + 7], "r")
         assert not rejected
-        ingest._insert(decoded, [], trajectory_pb2.IngestSummary())
+        ingest._insert(decoded, [], trajectory_pb2.IngestSummary(), [])
     (tree,) = ingest.state.trees.values()
     for ex in execs:  # what is remembered is each execution's latest call, token for token
         rec, seq = ingest._last_sequences[ex.execution_id]
@@ -246,3 +246,56 @@ def test_ingest_remembering_each_executions_last_sequence_builds_the_same_tree_i
         for got, c in zip(tree.export_execution(ex.execution_id), ex.calls, strict=True):
             assert np.array_equal(got.prompt_token_ids, c.prompt)
             assert np.array_equal(got.completion_token_ids, c.completion)
+
+
+def test_calls_inserted_after_a_base_node_build_the_plain_tree_and_prefix_crcs_match_the_whole_prefix():
+    """`insert_call_after` (a compact step: base call's first k tokens + a tail) builds the tree that
+    inserting the whole prompt builds, and `prefix_crc32` equals the CRC of the rebuilt prefix, at
+    every k (inside nodes, on boundaries, 0 and the base's end), before and after splits."""
+    import random
+
+    from gyre.bus.steps import token_crc32
+    from services.trajectory.tree import prefix_crc32
+
+    rng = random.Random(11)
+    plain, compact = TaskTree("t"), TaskTree("t")
+    seqs: list[np.ndarray] = []
+    for call in range(60):
+        if seqs and rng.random() < 0.8:
+            b = rng.randrange(len(seqs))
+            base_seq = seqs[b]
+            k = rng.choice([0, len(base_seq), rng.randrange(len(base_seq) + 1)])
+            tail = np.array([rng.randrange(4) for _ in range(rng.randrange(0, 6))], dtype=np.int32)
+            completion = np.array([rng.randrange(4) for _ in range(rng.randrange(1, 6))], dtype=np.int32)
+            base_rec = compact.calls[("e", b)]
+            assert prefix_crc32(base_rec.end_node, k) == token_crc32(base_seq[:k])
+            prompt = np.concatenate([base_seq[:k], tail])
+            rec, _ = compact.insert_call_after(
+                "e",
+                call,
+                base_rec.end_node,
+                k,
+                tail,
+                completion,
+                np.zeros(len(completion)),
+                np.zeros(len(completion)),
+            )
+        else:
+            prompt = np.array([rng.randrange(4) for _ in range(rng.randrange(1, 8))], dtype=np.int32)
+            completion = np.array([rng.randrange(4) for _ in range(rng.randrange(1, 6))], dtype=np.int32)
+            rec, _ = compact.insert_call(
+                "e", call, prompt, completion, np.zeros(len(completion)), np.zeros(len(completion))
+            )
+        plain.insert_call("e", call, prompt, completion, np.zeros(len(completion)), np.zeros(len(completion)))
+        assert rec is not None
+        seqs.append(np.concatenate([prompt, completion]))
+        got = compact.export_call(rec)
+        assert np.array_equal(got.prompt_token_ids, prompt) and np.array_equal(
+            got.completion_token_ids, completion
+        )
+        assert np.array_equal(compact.completion_of(rec), completion)
+
+    def node_sequences(tree: TaskTree) -> set[tuple[int, ...]]:
+        return {tuple(tree.sequence(n).tolist()) for n in tree.iter_nodes()}
+
+    assert node_sequences(compact) == node_sequences(plain) and compact.num_tokens == plain.num_tokens
