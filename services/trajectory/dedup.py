@@ -61,9 +61,16 @@ def shingle_hashes(tokens: np.ndarray, k: int) -> np.ndarray:
     return np.unique(h & np.uint64(0xFFFFFFFF))
 
 
+MINHASH_SLICE = 16_384  # shingles hashed at once (num_perm x 8 bytes each)
+
+
 def minhash_of(tokens: np.ndarray, *, k: int, num_perm: int) -> MinHash:
     m = MinHash(num_perm=num_perm, hashfunc=int)
-    m.update_batch(shingle_hashes(tokens, k).tolist())
+    hashes = shingle_hashes(tokens, k)
+    # In slices: update_batch holds num_perm x n uint64 (1 GiB for the million shingles of a long
+    # execution); the sketch is a minimum, so slices give the same one.
+    for i in range(0, len(hashes), MINHASH_SLICE):
+        m.update_batch(hashes[i : i + MINHASH_SLICE].tolist())
     return m
 
 

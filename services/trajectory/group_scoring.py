@@ -3,7 +3,7 @@
 A group is ready when it has ``group_size`` members (if set) and every member has ended with all
 its calls stored, or when ``train_unfinished_after_s`` has passed since its first member ended
 (partial-progress scoring: members still running are scored on their latest progress signals).
-Scoring (services/trajectory/grouping.py) runs under the state lock; its rows (scores, dedup
+Scoring (services/trajectory/grouping.py) runs under the state lock, in a worker thread; its rows (scores, dedup
 decisions, the group's state and version range) are one Postgres transaction, and the group's
 state changes in memory only after that commit. A group that cannot be scored (a reward outside
 the configured range...) is marked ``rejected`` and logged; one with no generated token is
@@ -13,6 +13,7 @@ the configured range...) is marked ``rejected`` and logged; one with no generate
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -98,31 +99,39 @@ class GroupScoring:
     async def _score(
         self, gid: str, g: GroupInfo, tree: TaskTree, now: float
     ) -> events_pb2.GroupScoredEvent | None:
-        try:
+        outcomes = {e: self.outcome(e) for e in g.members}
+        step_progress = {e: self.state.executions[e].step_progress for e in g.members}
+
+        def score() -> tuple[GroupResult, tuple[int, int], int]:
             res = score_group(
                 tree,
                 gid,
-                {e: self.outcome(e) for e in g.members},
+                outcomes,
                 self.scorer,
                 normalise_std=self.cfg.normalise_advantage_std,
                 near_threshold=self.cfg.near_duplicate_threshold,
                 num_perm=self.cfg.near_duplicate_num_perm,
                 shingle_size=self.cfg.shingle_size,
                 credit=self.cfg.credit_assignment,
-                step_progress={e: self.state.executions[e].step_progress for e in g.members},
+                step_progress=step_progress,
                 progress_discount=self.cfg.progress_discount,
                 tree_local_coef=self.cfg.tree_local_coef,
                 tree_global_coef=self.cfg.tree_global_coef,
             )
+            return res, versions(tree, res), trainable_tokens(tree, res.group)
+
+        try:
+            # In a worker thread, lock held: no tree changes meanwhile, and the event loop goes on
+            # acking, fetching and answering (a million-token group takes seconds to score).
+            res, (vmin, vmax), trainable = await asyncio.to_thread(score)
         except InvalidArgument as exc:
             log.error("group %s cannot be scored: %s", gid, exc)
             self.counters["groups_rejected"] += 1
             await self.commits.commit(self.store.commit_group, gid, "rejected", [], [], {})
             g.state = "rejected"
             return None
-        vmin, vmax = versions(tree, res)
         # Nothing generated (no completion tokens, no stored calls): recorded, never packed.
-        state = "scored" if trainable_tokens(tree, res.group) > 0 else "empty"
+        state = "scored" if trainable > 0 else "empty"
         await self.commits.commit(
             self.store.commit_group,
             gid,
