@@ -26,7 +26,7 @@ _TRAJECTORY_TABLES_BUT_BATCHES = (
     "traj_dedup_records",
     "traj_rejections",
 )
-_BATCH_TABLES = ("traj_batches", "traj_batch_groups", "traj_batch_paths")
+_BATCH_TABLES = ("traj_batches", "traj_batch_chunks", "traj_batch_groups", "traj_batch_paths")
 
 
 def check_trees(engine: sa.Engine, run_id: str, cfg: LongConfig) -> dict[str, Any]:

@@ -43,7 +43,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from gyre.errors import NotFound
@@ -52,22 +52,29 @@ from gyre.v1 import events_pb2, trajectory_pb2
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.packing import ScoredGroup, TreeBatch, iter_framed, pack, select_groups
 from services.trajectory.state import CommitQueue, GroupInfo, TrajectoryState
-from services.trajectory.store import TrajectoryStore
+from services.trajectory.store import ChunkWriter, PackFailed, TrajectoryStore
 
 log = logging.getLogger("gyre.trajectory")
 
 
 @dataclass
 class Handout:
-    """A batch handed to a consumer by one PullBatch: its stored chunks, streamed one at a time."""
+    """A batch handed to a consumer by one PullBatch: its stored chunks, read and streamed one at a time."""
 
     batch_id: str
     consumer: str
-    data: bytes | bytearray  # framed chunks (packing.frame)
     confirm_receipt: bool  # delivered on AckBatch(received), not when the last chunk is sent
+    store: TrajectoryStore
 
-    def chunks(self) -> Iterator[trajectory_pb2.BatchChunk]:
-        return iter_framed(self.data)
+    async def chunks(self) -> AsyncIterator[trajectory_pb2.BatchChunk]:
+        """The batch's chunks in order, each read from Postgres when the previous one was sent."""
+        index = 0
+        while (data := await asyncio.to_thread(self.store.read_chunk, self.batch_id, index)) is not None:
+            yield trajectory_pb2.BatchChunk.FromString(data)
+            index += 1
+        if index == 0:  # a batch stored before traj_batch_chunks: its chunks framed in one value
+            for chunk in iter_framed(await asyncio.to_thread(self.store.legacy_chunks, self.batch_id)):
+                yield chunk
 
 
 class Batcher:
@@ -129,26 +136,41 @@ class Batcher:
         if not fresh:
             return None
         chosen = select_groups(self.state.trees, fresh, max_tokens)
-        try:
-            packed = pack(
+        batch_id = uuid.uuid4().hex[:16]
+
+        def build(write: ChunkWriter) -> TreeBatch:
+            def checked(chunk: trajectory_pb2.BatchChunk) -> None:
+                if (size := chunk.ByteSize()) > MAX_MESSAGE_BYTES:
+                    raise ValueError(f"a chunk of {size} bytes exceeds the gRPC limit of {MAX_MESSAGE_BYTES}")
+                write(chunk)
+
+            return pack(
                 self.state.trees,
                 chosen,
-                batch_id=uuid.uuid4().hex[:16],
+                batch_id=batch_id,
                 max_chunk_bytes=self.cfg.max_chunk_bytes,
-                keep_chunks=False,
+                sink=checked,
             )
-            if packed.max_chunk_bytes > MAX_MESSAGE_BYTES:
-                raise ValueError(
-                    f"a chunk of {packed.max_chunk_bytes} bytes exceeds the gRPC limit of {MAX_MESSAGE_BYTES}"
-                )
-        except Exception as exc:  # never a crash: the groups are set aside with the reason
-            await self._quarantine([g.group_id for g in chosen], f"{type(exc).__name__}: {exc}")
+
+        built: list[TreeBatch | PackFailed] = []
+
+        def persist() -> None:
+            # Packed in the commit's worker thread (lock held: no tree changes meanwhile) and written chunk
+            # by chunk in the batch's transaction; the event loop goes on meanwhile.
+            try:
+                built.append(self.store.create_batch(batch_id, build, state, consumer))
+            except PackFailed as exc:  # never a crash: the groups are set aside with the reason
+                built.append(exc)
+
+        await self.commits.commit(persist)
+        (packed,) = built
+        if isinstance(packed, PackFailed):
+            await self._quarantine([g.group_id for g in chosen], str(packed))
             return None
         if not packed.num_chunks:
             # Groups scored before the 'empty' check existed (loaded from Postgres): never an empty batch.
             await self._skip_empty([g.group_id for g in chosen])
             return None
-        await self.commits.commit(self.store.create_batch, packed, state, consumer)
         for g in chosen:
             groups[g.group_id].state = "batched"
         self.counters["batches_built"] += 1
@@ -231,7 +253,7 @@ class Batcher:
             if b.state == "ready":
                 self.claims[b.batch_id] = req.consumer
             self.counters["batches_resent"] += 1
-            return Handout(b.batch_id, req.consumer, b.chunks, req.confirm_receipt)
+            return Handout(b.batch_id, req.consumer, req.confirm_receipt, self.store)
         self._give_up_claims(req.consumer)
         max_tokens = int(req.max_tokens) or self.cfg.max_batch_tokens
         current = int(req.current_version) if req.current_version else None
@@ -246,10 +268,9 @@ class Batcher:
             if packed is not None:
                 await self._announce(packed)
             if got is not None:
-                batch_id, data = got
                 self.counters["batches_handed_out"] += 1
                 self.counters["batch_parts_delivered"] += int(req.stream_part)
-                return Handout(batch_id, req.consumer, data, req.confirm_receipt)
+                return Handout(got, req.consumer, req.confirm_receipt, self.store)
             left = deadline - time.monotonic()
             if left <= 0 or full:
                 return None
@@ -301,8 +322,8 @@ class Batcher:
 
     async def _claim_ready_batch(
         self, max_tokens: int, current: int | None, consumer: str, strict: bool = False
-    ) -> tuple[str, bytes] | None:
-        """(id, stored chunks) of the oldest unclaimed ready batch within the staleness bound, claimed
+    ) -> str | None:
+        """The id of the oldest unclaimed ready batch within the staleness bound, claimed
         for `consumer`; None when there is none. A stale ready batch gives its groups back (dropped
         or packed anew by the caller); with `strict`, one over `max_tokens` is skipped (left ready).
         The budget never releases a ready batch. Lock held by the caller."""
@@ -325,12 +346,12 @@ class Batcher:
                 skip.add(b.batch_id)
                 continue
             self.claims[b.batch_id] = consumer
-            return b.batch_id, b.chunks
+            return b.batch_id
 
     async def _pull_once(
         self, max_tokens: int, current: int | None, consumer: str
-    ) -> tuple[tuple[str, bytes | bytearray] | None, TreeBatch | None]:
-        """A claimed batch (id, chunks) and, when it was packed now, the batch (to announce). A batch
+    ) -> tuple[str | None, TreeBatch | None]:
+        """A claimed batch's id and, when it was packed now, the batch (to announce). A batch
         is packed at pull time only from enough scored groups (`_enough`), as the poll loop builds
         one: the trajectory's min_batch_fill and batch_max_wait_s shape every step, and wait_s is only
         how long the request may wait for such a batch."""
@@ -345,11 +366,11 @@ class Batcher:
             if packed is None:
                 return None, None
             self.claims[packed.batch_id] = consumer
-            return (packed.batch_id, packed.encoded), packed
+            return packed.batch_id, packed
 
     async def _pull_part_once(
         self, max_tokens: int, step_tokens: int, current: int | None, consumer: str
-    ) -> tuple[tuple[str, bytes | bytearray] | None, TreeBatch | None, bool]:
+    ) -> tuple[str | None, TreeBatch | None, bool]:
         """One part of a streamed step (PullBatchRequest.stream_part): a ready batch that fits, or the
         fresh scored groups that fit packed now, even a single group (no min_batch_fill wait). With
         `step_tokens` > 0 the budget is strict, and the third value says the step is full: it already
@@ -367,7 +388,7 @@ class Batcher:
             packed = await self._build(max_tokens, current, "ready", consumer, strict=strict)
             if packed is not None:
                 self.claims[packed.batch_id] = consumer
-                return (packed.batch_id, packed.encoded), packed, False
+                return packed.batch_id, packed, False
             waiting = strict and bool(self._scored_groups(current)[0])
             return None, None, waiting
 

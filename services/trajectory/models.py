@@ -139,7 +139,7 @@ class DedupRecord(Base):
 
 
 class Batch(Base):
-    """state: ready (built, announced; handed out but not confirmed) -> delivered (the consumer confirmed it holds every chunk) -> acked. ``chunks`` = length-prefixed BatchChunk bytes."""
+    """state: ready (built, announced; handed out but not confirmed) -> delivered (the consumer confirmed it holds every chunk) -> acked. Its chunks are rows of traj_batch_chunks; ``chunks`` (length-prefixed BatchChunk bytes, never loaded with the row) holds those of a batch stored before them."""
 
     __tablename__ = "traj_batches"
     batch_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
@@ -156,8 +156,19 @@ class Batch(Base):
     num_partial_paths: Mapped[int] = mapped_column(sa.Integer)
     min_version: Mapped[int] = mapped_column(sa.BigInteger)
     max_version: Mapped[int] = mapped_column(sa.BigInteger)
-    chunks: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    chunks: Mapped[bytes | None] = mapped_column(sa.LargeBinary, nullable=True, deferred=True)
     __table_args__ = (sa.Index("ix_traj_batches_state", "run_id", "state", "created_unix_s"),)
+
+
+class BatchChunkRow(Base):
+    """One serialized BatchChunk of a batch (proto gyre.v1.BatchChunk), written as packing makes it."""
+
+    __tablename__ = "traj_batch_chunks"
+    batch_id: Mapped[str] = mapped_column(
+        sa.String(64), sa.ForeignKey("traj_batches.batch_id", ondelete="CASCADE"), primary_key=True
+    )
+    chunk_index: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(sa.LargeBinary)
 
 
 class BatchGroup(Base):

@@ -77,8 +77,6 @@ class TreeBatch:
     max_policy_version: int
     normaliser: float
     paths: list[tuple[str, int]] = field(default_factory=list)  # (execution_id, leaf node id)
-    # The chunks framed as the store keeps them (`frame`), when `pack` was asked not to keep `chunks`.
-    encoded: bytes | bytearray = b""
     num_chunks: int = 0
     num_trees: int = 0
     max_chunk_bytes: int = 0  # serialized bytes of the largest chunk
@@ -132,13 +130,14 @@ MIN_CHUNK_BYTES = 4096
 
 
 def frame(chunk: trajectory_pb2.BatchChunk) -> bytes:
-    """A chunk as stored: its length (8 bytes, little endian) then its bytes (services/trajectory/store.py)."""
+    """A chunk framed as batches stored before traj_batch_chunks kept them: its length (8 bytes, little
+    endian) then its bytes."""
     b = chunk.SerializeToString()
     return struct.pack("<Q", len(b)) + b
 
 
 def iter_framed(data: bytes | bytearray) -> Iterator[trajectory_pb2.BatchChunk]:
-    """The chunks of a stored batch, decoded one at a time (the inverse of `frame`)."""
+    """The chunks of a batch stored framed (before traj_batch_chunks), one at a time (inverse of `frame`)."""
     i = 0
     view = memoryview(data)
     while i < len(data):
@@ -247,14 +246,14 @@ def pack(
     *,
     batch_id: str | None = None,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-    keep_chunks: bool = True,
+    sink: Callable[[trajectory_pb2.BatchChunk], None] | None = None,
 ) -> TreeBatch:
     """Pack the given groups (caller chose them with ``select_groups``) into one batch of chunks of at
     most `max_chunk_bytes` serialized bytes each (a large tree spans several chunks, proto BatchChunk).
 
     Memory: one tree's generated-token arrays (``owned_positions``) plus one chunk's arrays at a time;
-    with `keep_chunks` False the chunks are not kept as messages but framed into ``TreeBatch.encoded``
-    (the bytes the store keeps, ~30 bytes per token) as they are made.
+    with a `sink` each chunk is handed to it as soon as it is complete (the store writes it) and not
+    kept in ``TreeBatch.chunks``, so the batch itself is never held whole.
     A task whose selected executions hold no stored call contributes no chunk, so a selection
     with nothing in it gives a batch with no chunks (the caller hands out no batch), never an error.
     """
@@ -273,7 +272,6 @@ def pack(
     normaliser = normaliser or 1.0
 
     out = TreeBatch(batch_id, [], [g.group_id for g in groups], 0, 0, 0, 0, -1, -1, normaliser)
-    encoded = bytearray()
     held: list[trajectory_pb2.BatchChunk] = []  # one chunk held back: `last` is known at the next
 
     def release(last: bool) -> None:
@@ -282,10 +280,10 @@ def pack(
         out.num_chunks += 1
         size = c.ByteSize()
         out.max_chunk_bytes = max(out.max_chunk_bytes, size)
-        if keep_chunks:
+        if sink is None:
             out.chunks.append(c)
         else:
-            encoded.extend(frame(c))
+            sink(c)
 
     def emit(chunk: trajectory_pb2.BatchChunk) -> None:
         if held:
@@ -364,7 +362,6 @@ def pack(
         release(True)
     out.min_policy_version = int(vmin) if vmax >= 0 else -1
     out.max_policy_version = int(vmax)
-    out.encoded = encoded
     return out
 
 

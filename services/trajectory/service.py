@@ -93,7 +93,7 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
             return
         complete = False
         try:
-            for chunk in handout.chunks():  # decoded one at a time from the stored bytes
+            async for chunk in handout.chunks():  # read and decoded one at a time from Postgres
                 yield chunk
             complete = True
         finally:  # a broken stream (trainer gone, cancelled) gives the batch back at once

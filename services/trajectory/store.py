@@ -7,9 +7,8 @@ crash leaves either all of it or none of it. Inserts of calls use ON CONFLICT DO
 
 from __future__ import annotations
 
-import struct
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,23 +57,21 @@ class StepBatch:
     rejections: list[tuple[str, str, str, bytes]] = field(default_factory=list)  # kind, key, error, payload
 
 
-def encode_chunks(chunks: Iterable[trajectory_pb2.BatchChunk]) -> bytes:
-    out = bytearray()
-    for c in chunks:
-        b = c.SerializeToString()
-        out += struct.pack("<Q", len(b)) + b
-    return bytes(out)
+class PackFailed(Exception):
+    """Packing raised inside `TrajectoryStore.create_batch`: nothing was written; the packer's error
+    is the cause (the batch is quarantined, not retried)."""
 
 
-def decode_chunks(data: bytes) -> list[trajectory_pb2.BatchChunk]:
-    chunks, i = [], 0
-    while i < len(data):
-        (n,) = struct.unpack_from("<Q", data, i)
-        c = trajectory_pb2.BatchChunk()
-        c.ParseFromString(data[i + 8 : i + 8 + n])
-        chunks.append(c)
-        i += 8 + n
-    return chunks
+class _WriteFailed(Exception):
+    """A chunk's write failed (a Postgres error, not the packer's): re-raised as that error."""
+
+
+class _NothingPacked(Exception):
+    def __init__(self, packed: TreeBatch) -> None:
+        self.packed = packed
+
+
+ChunkWriter = Callable[[trajectory_pb2.BatchChunk], None]
 
 
 _NODE_COLS = "node_id, run_id, task_id, parent_id, start, num_tokens, tokens, segment_hash"
@@ -301,55 +298,106 @@ class TrajectoryStore:
             )
 
     # ------------------------------------------------------------------ batches
-    def create_batch(self, packed: TreeBatch, state: str, consumer: str = "") -> None:
-        """Persist a batch and claim its groups and paths; raises IntegrityError if any was already claimed."""
+    def create_batch(
+        self, batch_id: str, build: Callable[[ChunkWriter], TreeBatch], state: str, consumer: str = ""
+    ) -> TreeBatch:
+        """Pack and persist a batch in one transaction, claiming its groups and paths (IntegrityError if
+        any was already claimed). ``build(write)`` packs it, handing each chunk to ``write`` as it is
+        made: a chunk is one row, written at once, so memory holds one chunk, never the batch.
+        A batch with no chunk writes nothing (returned as packed); PackFailed if `build` raised."""
         now = time.time()
-        with session_scope(self.engine) as s:
-            s.add(
-                m.Batch(
-                    batch_id=packed.batch_id,
-                    run_id=self.run_id,
-                    state=state,
-                    created_unix_s=now,
-                    consumer=consumer,
-                    delivered_unix_s=now if state == "delivered" else None,
-                    num_tokens=packed.num_tokens,
-                    num_flat_tokens=packed.num_flat_tokens,
-                    num_paths=packed.num_paths,
-                    num_partial_paths=packed.num_partial_paths,
-                    min_version=packed.min_policy_version,
-                    max_version=packed.max_policy_version,
-                    chunks=packed.encoded or encode_chunks(packed.chunks),
+        try:
+            with session_scope(self.engine) as s:
+                s.execute(
+                    sa.insert(m.Batch).values(
+                        batch_id=batch_id,
+                        run_id=self.run_id,
+                        state=state,
+                        created_unix_s=now,
+                        consumer=consumer,
+                        delivered_unix_s=now if state == "delivered" else None,
+                        num_tokens=0,
+                        num_flat_tokens=0,
+                        num_paths=0,
+                        num_partial_paths=0,
+                        min_version=-1,
+                        max_version=-1,
+                    )
                 )
+                cur = s.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
+
+                def write(chunk: trajectory_pb2.BatchChunk) -> None:
+                    try:  # %b: the bytes go as binary, not as hex text twice their size
+                        cur.execute(
+                            "INSERT INTO traj_batch_chunks (batch_id, chunk_index, data) VALUES (%s, %s, %b)",
+                            (batch_id, chunk.chunk_index, chunk.SerializeToString()),
+                        )
+                    except Exception as exc:
+                        raise _WriteFailed from exc
+
+                try:
+                    packed = build(write)
+                except _WriteFailed as exc:
+                    assert exc.__cause__ is not None
+                    raise exc.__cause__ from None
+                except Exception as exc:
+                    raise PackFailed(f"{type(exc).__name__}: {exc}") from exc
+                if not packed.num_chunks:
+                    raise _NothingPacked(packed)
+                self._claim(s, packed)
+        except _NothingPacked as nothing:
+            return nothing.packed
+        return packed
+
+    def _claim(self, s: Any, packed: TreeBatch) -> None:
+        """The batch row's figures, its groups (batched) and paths, in the batch's transaction."""
+        s.execute(
+            sa.update(m.Batch)
+            .where(m.Batch.batch_id == packed.batch_id)
+            .values(
+                num_tokens=packed.num_tokens,
+                num_flat_tokens=packed.num_flat_tokens,
+                num_paths=packed.num_paths,
+                num_partial_paths=packed.num_partial_paths,
+                min_version=packed.min_policy_version,
+                max_version=packed.max_policy_version,
             )
-            s.flush()
+        )
+        s.execute(
+            sa.insert(m.BatchGroup),
+            [{"run_id": self.run_id, "group_id": g, "batch_id": packed.batch_id} for g in packed.group_ids],
+        )
+        if packed.paths:
             s.execute(
-                sa.insert(m.BatchGroup),
+                sa.insert(m.BatchPath),
                 [
-                    {"run_id": self.run_id, "group_id": g, "batch_id": packed.batch_id}
-                    for g in packed.group_ids
+                    {"run_id": self.run_id, "execution_id": e, "leaf_node_id": n, "batch_id": packed.batch_id}
+                    for e, n in packed.paths
                 ],
             )
-            if packed.paths:
-                s.execute(
-                    sa.insert(m.BatchPath),
-                    [
-                        {
-                            "run_id": self.run_id,
-                            "execution_id": e,
-                            "leaf_node_id": n,
-                            "batch_id": packed.batch_id,
-                        }
-                        for e, n in packed.paths
-                    ],
-                )
-            s.execute(
-                sa.update(m.ExecutionGroup)
-                .where(
-                    m.ExecutionGroup.run_id == self.run_id, m.ExecutionGroup.group_id.in_(packed.group_ids)
-                )
-                .values(state="batched")
+        s.execute(
+            sa.update(m.ExecutionGroup)
+            .where(m.ExecutionGroup.run_id == self.run_id, m.ExecutionGroup.group_id.in_(packed.group_ids))
+            .values(state="batched")
+        )
+
+    def read_chunk(self, batch_id: str, index: int) -> bytes | None:
+        """The serialized chunk `index` of a batch; None past its last chunk."""
+        with self.engine.connect() as conn:
+            cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            cur.execute(
+                "SELECT data FROM traj_batch_chunks WHERE batch_id = %s AND chunk_index = %s",
+                (batch_id, index),
+                binary=True,
             )
+            row = cur.fetchone()
+            return None if row is None else bytes(row[0])
+
+    def legacy_chunks(self, batch_id: str) -> bytes:
+        """The framed chunks of a batch stored before traj_batch_chunks existed (b"" for others)."""
+        with session_scope(self.engine) as s:
+            data = s.scalar(sa.select(m.Batch.chunks).where(m.Batch.batch_id == batch_id))
+            return bytes(data or b"")
 
     def release_batch(self, batch_id: str) -> list[str]:
         """Delete a batch that was never delivered; its groups become scored (packable) again."""
@@ -360,6 +408,7 @@ class TrajectoryStore:
             groups = list(
                 s.scalars(sa.select(m.BatchGroup.group_id).where(m.BatchGroup.batch_id == batch_id))
             )
+            s.execute(sa.delete(m.BatchChunkRow).where(m.BatchChunkRow.batch_id == batch_id))
             s.execute(sa.delete(m.BatchPath).where(m.BatchPath.batch_id == batch_id))
             s.execute(sa.delete(m.BatchGroup).where(m.BatchGroup.batch_id == batch_id))
             s.execute(

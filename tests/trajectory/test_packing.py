@@ -7,6 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
+from gyre.v1 import trajectory_pb2
 from services.trajectory.grouping import score_group
 from services.trajectory.packing import PackedExecution, ScoredGroup, pack, select_groups, trainable_tokens
 from services.trajectory.scoring import Ending, Outcome, ProgressScorer, ProgressSignals
@@ -231,7 +232,6 @@ def test_executions_with_only_prompt_tokens_have_nothing_to_train():
 def test_a_tree_larger_than_a_chunk_is_streamed_in_bounded_chunks_that_rebuild_the_same_batch():
     from gyre.model.attention import TreeLayout
     from services.trainer.batch import from_chunks
-    from services.trajectory.packing import iter_framed
 
     execs, trees = build()
     groups = [
@@ -239,8 +239,9 @@ def test_a_tree_larger_than_a_chunk_is_streamed_in_bounded_chunks_that_rebuild_t
         for i, (gid, ex) in enumerate((e.group_id + e.execution_id, e) for e in execs)
     ]
     whole = pack(trees, groups, batch_id="b", max_chunk_bytes=64 << 20)
-    cut = pack(trees, groups, batch_id="b", max_chunk_bytes=4096, keep_chunks=False)
-    streamed = list(iter_framed(cut.encoded))
+    streamed: list[trajectory_pb2.BatchChunk] = []
+    cut = pack(trees, groups, batch_id="b", max_chunk_bytes=4096, sink=streamed.append)
+    assert not cut.chunks  # handed to the sink one at a time, never kept
     assert len(streamed) == cut.num_chunks > len(whole.chunks) == whole.num_trees == cut.num_trees
     assert max(c.ByteSize() for c in streamed) == cut.max_chunk_bytes <= 4096
     assert streamed[-1].last and not any(c.last for c in streamed[:-1])
