@@ -72,11 +72,48 @@ class JobOutcome:
     final_stats: dict[str, Any] = field(default_factory=dict)
 
 
+_SECRET_WORDS = {"token", "key", "password", "secret"}
+_SECRET_NAMES = {"database_url", "nats_url"}
+
+
+def _secret(name: str) -> bool:
+    """Names of credentials (and of server URLs that carry them): kept out of config.yaml when they
+    come from the environment; the services still get them from it."""
+    return name in _SECRET_NAMES or bool(_SECRET_WORDS & set(name.split("_")))
+
+
+def _public(overrides: dict[str, Any]) -> dict[str, Any]:
+    return {k: _public(v) if isinstance(v, dict) else v for k, v in overrides.items() if not _secret(k)}
+
+
+def _with_env_overrides(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with the GYRE_* environment laid over it as the services will read it (gyre.config):
+    common fields (the run id...) and every section's `GYRE_<SECTION>__...`, credentials left out."""
+    import os
+
+    from gyre.config import CommonConfig, _env_overrides, deep_merge
+
+    out = dict(raw)
+    out.update({k: v for k, v in _public(_env_overrides(None)).items() if k in CommonConfig.model_fields})
+    sections = {
+        key.split("__", 1)[0][len("GYRE_") :].lower()
+        for key in os.environ
+        if key.startswith("GYRE_") and "__" in key
+    }
+    for section in sorted(sections | {k for k, v in raw.items() if isinstance(v, dict)}):
+        overrides = _public(_env_overrides(section))
+        if overrides and isinstance(out.get(section, {}), dict):
+            out[section] = deep_merge(out.get(section) or {}, overrides)
+    return out
+
+
 def effective_config(
     config_path: Path, *, policy: str | None, steps: int | None, run_dir: Path | None
 ) -> dict[str, Any]:
-    """The run YAML with the command-line overrides applied (validated as far as the job's own parts)."""
-    raw = load_yaml(config_path)
+    """The run YAML with the GYRE_* environment (credentials apart) and the command-line overrides
+    applied (validated as far as the job's own parts): what the run's services run with, so
+    RUN_DIR/config.yaml names the run id and the commands that actually ran."""
+    raw = _with_env_overrides(load_yaml(config_path))
     if policy is not None:
         raw.setdefault("scheduler", {})
         if not isinstance(raw["scheduler"], dict):

@@ -236,10 +236,30 @@ def main(argv: list[str] | None = None) -> int:
             f"warning: serving on {args.host}: anyone who can reach it and has the key can read the run",
             file=sys.stderr,
         )
+    ensure_trees(run_dir)
     server = DashboardServer(run_dir, args.host, args.port)
     print(f"gyre ui: {server.url}  (key: cat {server.key_path}); Ctrl-C stops", flush=True)
     server.thread.run()  # in this thread: Ctrl-C stops uvicorn
     return 0
+
+
+def ensure_trees(run_dir: Path) -> Path | None:
+    """The run's trees.jsonl; when a finished run has none (it ended before writing them), written
+    now from the run's own database (services/trajectory/cli.py run_database: its stopped embedded
+    Postgres started for the export and stopped after). None, said on stderr, when that fails."""
+    path = trees_path(run_dir)
+    if path.is_file() or not (run_dir / "config.yaml").is_file():
+        return path if path.is_file() else None
+    from app.job.trees import export_trees
+    from gyre.errors import GyreError
+    from services.trajectory.cli import run_database
+
+    try:
+        with run_database(run_dir) as (run_id, database_url):
+            return export_trees(database_url, run_id, run_dir)
+    except (GyreError, OSError, ValueError) as exc:
+        print(f"warning: no trees for {run_dir} ({exc})", file=sys.stderr, flush=True)
+        return None
 
 
 def serve_for_job(run_dir: Path, port: int | None) -> DashboardServer | None:

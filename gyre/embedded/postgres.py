@@ -20,13 +20,14 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 from urllib.parse import quote
 
 from gyre.embedded.guardian import guardian
 from gyre.embedded.server import EmbeddedServer, free_port
-from gyre.errors import Unavailable
+from gyre.errors import NotFound, Unavailable
 
 log = logging.getLogger("gyre.embedded.postgres")
 
@@ -379,3 +380,28 @@ class EmbeddedPostgres(EmbeddedServer):
     def __enter__(self) -> Self:
         self.start()
         return self
+
+
+def postgres_running(data_dir: Path) -> bool:
+    """Whether the embedded server of the cluster under `data_dir` (a run's `postgres/`) runs now."""
+    return _postmaster_alive(Path(data_dir) / "pgdata")
+
+
+@contextlib.contextmanager
+def started_for_reading(data_dir: Path, *, database: str = "gyre") -> Iterator[str]:
+    """A finished run's embedded Postgres: its stopped cluster under `data_dir` started on a free
+    port for the block (the superuser URL of `database` yielded), then stopped, its data kept.
+    NotFound when `data_dir` holds no cluster; Unavailable while its own server still runs (the
+    running run's endpoints.json has its URL). Started through EmbeddedPostgres, so the process
+    runner's guardian reaps it if this process dies inside the block."""
+    data_dir = Path(data_dir)
+    if not (data_dir / "pgdata" / "PG_VERSION").exists():
+        raise NotFound(f"no embedded Postgres cluster under {data_dir}")
+    if postgres_running(data_dir):
+        raise Unavailable(f"the Postgres of {data_dir} is running: use the run's endpoints.json")
+    server = EmbeddedPostgres(data_dir, database=database)
+    url = server.start()
+    try:
+        yield url
+    finally:
+        server.stop()
