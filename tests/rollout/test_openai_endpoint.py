@@ -18,6 +18,7 @@ from services.rollout.engines.torch_engine import TorchEngine
 from services.rollout.openai import OpenAIEndpoint, create_app, serve
 from services.rollout.router import Router
 from services.rollout.steps import BusStepSink
+from tests.helpers.stream import expanded_prompts
 
 RUN = "openai-test"
 API_KEY = "run-key-0123456789abcdef"
@@ -89,14 +90,15 @@ async def test_openai_client_drives_a_multi_turn_execution_and_its_steps_arrive(
 
     assert sorted(s.call_seq for s in received) == [0, 1, 2]
     assert {s.execution_id for s in received} == {"chat-e0"}
+    prompts = expanded_prompts(received)  # steps after the first travel compact
     for resp in responses:
         extra = resp.model_extra or {}
         step = next(s for s in received if list(s.completion_token_ids) == extra["token_ids"])
-        assert list(step.prompt_token_ids) == extra["prompt_token_ids"]  # captured server-side
+        assert prompts[step.call_seq] == extra["prompt_token_ids"]  # captured server-side
         assert (
             len(step.completion_logprobs) == len(step.completion_versions) == len(step.completion_token_ids)
         )
-    assert len(received[2].prompt_token_ids) > len(received[0].prompt_token_ids)
+    assert len(prompts[2]) > len(prompts[0])
 
 
 async def test_completions_take_token_ids_and_return_logprobs(nats_url: str) -> None:
