@@ -70,7 +70,8 @@ class Handout:
         """The batch's chunks in order, each read from Postgres when the previous one was sent."""
         index = 0
         while (data := await asyncio.to_thread(self.store.read_chunk, self.batch_id, index)) is not None:
-            yield trajectory_pb2.BatchChunk.FromString(data)
+            for chunk in iter_framed(data):  # one chunk a row
+                yield chunk
             index += 1
         if index == 0:  # a batch stored before traj_batch_chunks: its chunks framed in one value
             for chunk in iter_framed(await asyncio.to_thread(self.store.legacy_chunks, self.batch_id)):

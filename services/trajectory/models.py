@@ -161,7 +161,7 @@ class Batch(Base):
 
 
 class BatchChunkRow(Base):
-    """One serialized BatchChunk of a batch (proto gyre.v1.BatchChunk), written as packing makes it."""
+    """One BatchChunk of a batch (proto gyre.v1.BatchChunk), framed (`packing.frame`), written as packing makes it."""
 
     __tablename__ = "traj_batch_chunks"
     batch_id: Mapped[str] = mapped_column(

@@ -130,14 +130,14 @@ MIN_CHUNK_BYTES = 4096
 
 
 def frame(chunk: trajectory_pb2.BatchChunk) -> bytes:
-    """A chunk framed as batches stored before traj_batch_chunks kept them: its length (8 bytes, little
-    endian) then its bytes."""
+    """A chunk as the store keeps it: its length (8 bytes, little endian) then its bytes (one a row of
+    traj_batch_chunks; one after the other in traj_batches.chunks for batches stored before those)."""
     b = chunk.SerializeToString()
     return struct.pack("<Q", len(b)) + b
 
 
 def iter_framed(data: bytes | bytearray) -> Iterator[trajectory_pb2.BatchChunk]:
-    """The chunks of a batch stored framed (before traj_batch_chunks), one at a time (inverse of `frame`)."""
+    """The chunks of framed bytes, decoded one at a time (the inverse of `frame`)."""
     i = 0
     view = memoryview(data)
     while i < len(data):

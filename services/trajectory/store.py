@@ -20,7 +20,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from gyre.store import session_scope
 from gyre.v1 import trajectory_pb2
 from services.trajectory import models as m
-from services.trajectory.packing import TreeBatch
+from services.trajectory.packing import TreeBatch, frame
 from services.trajectory.tree import (
     LOGPROB_DTYPE,
     TOKEN_DTYPE,
@@ -327,10 +327,14 @@ class TrajectoryStore:
                 cur = s.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
 
                 def write(chunk: trajectory_pb2.BatchChunk) -> None:
-                    try:  # %b: the bytes go as binary, not as hex text twice their size
+                    # Framed (length first, as `packing.frame`): Postgres's pglz gives up on a value whose
+                    # first KiB repeats nothing, which a chunk's leading token ids never do; the length's
+                    # zero bytes get it going (a chunk row then takes ~8 bytes per token, not ~20).
+                    # %b: the bytes go as binary, not as hex text twice their size.
+                    try:
                         cur.execute(
                             "INSERT INTO traj_batch_chunks (batch_id, chunk_index, data) VALUES (%s, %s, %b)",
-                            (batch_id, chunk.chunk_index, chunk.SerializeToString()),
+                            (batch_id, chunk.chunk_index, frame(chunk)),
                         )
                     except Exception as exc:
                         raise _WriteFailed from exc
@@ -382,7 +386,7 @@ class TrajectoryStore:
         )
 
     def read_chunk(self, batch_id: str, index: int) -> bytes | None:
-        """The serialized chunk `index` of a batch; None past its last chunk."""
+        """Chunk `index` of a batch, framed (`packing.iter_framed` decodes it); None past its last chunk."""
         with self.engine.connect() as conn:
             cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
             cur.execute(

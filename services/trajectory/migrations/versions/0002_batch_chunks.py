@@ -28,7 +28,7 @@ def upgrade() -> None:
         "traj_batch_chunks",
         sa.Column("batch_id", sa.String(length=64), nullable=False),
         sa.Column("chunk_index", sa.Integer(), nullable=False),
-        sa.Column("data", sa.LargeBinary(), nullable=False),
+        sa.Column("data", sa.LargeBinary(), nullable=False),  # length-prefixed (packing.frame)
         sa.ForeignKeyConstraint(["batch_id"], ["traj_batches.batch_id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("batch_id", "chunk_index"),
     )
