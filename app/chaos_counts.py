@@ -165,7 +165,8 @@ def tally(
         by_type.setdefault(record["type"], []).append(record["event"])
     steps_emitted = len({ev["event_id"] for ev in by_type.get("StepEvent", [])})
     trajectory = final_stats.get("trajectory", {}).get("values", {})
-    steps_stored = int(float(trajectory.get("stored_calls", 0)))
+    # None: the trajectory's counters could not be read at the end (unknown, not "all lost")
+    steps_stored = int(float(trajectory["stored_calls"])) if "stored_calls" in trajectory else None
 
     trained = list(final_trainer_state(run_dir).get("trained_batch_ids", []))
     batches = {ev["batch_id"]: ev for ev in by_type.get("BatchReadyEvent", [])}
@@ -206,7 +207,7 @@ def tally(
     return {
         "steps_emitted": steps_emitted,
         "steps_stored": steps_stored,
-        "steps_lost": max(0, steps_emitted - steps_stored),
+        "steps_lost": None if steps_stored is None else max(0, steps_emitted - steps_stored),
         "batches_announced": len(batches),
         "batches_trained": len(set(trained)),
         "batches_lost": len(lost_batches) if batches_in_store is not None else None,  # None: unknown
