@@ -89,12 +89,23 @@ class GroupScoring:
                 if not self.ready(gid, g, now):
                     continue
                 tree = self.state.trees.get(g.task_id)
-                if tree is None:
+                if tree is None:  # no member stored a call (e.g. every agent crashed before its first)
+                    await self._skip_callless(gid, g, now)
                     continue
                 ev = await self._score(gid, g, tree, now)
                 if ev is not None:
                     events.append(ev)
         return events
+
+    async def _skip_callless(self, gid: str, g: GroupInfo, now: float) -> None:
+        """A ready group whose task has no stored call at all: nothing to score or train. It is
+        ``empty`` like a group that generated nothing (so its admission slot goes back,
+        services/trajectory/drops.py); before, it stayed open for good and the run stalled."""
+        extra = {"min_version": -1, "max_version": -1}
+        await self.commits.commit(self.store.commit_group, gid, "empty", [], [], extra)
+        g.state, g.scored_unix_s, g.min_version = "empty", now, -1
+        log.warning("group %s has no stored call (its executions made none); skipped", gid)
+        self.counters["groups_skipped_empty"] += 1
 
     async def _score(
         self, gid: str, g: GroupInfo, tree: TaskTree, now: float

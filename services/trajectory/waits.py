@@ -28,12 +28,13 @@ def trajectory_waits(state: TrajectoryState, group_size: int) -> list[waits_pb2.
             stored = len(tree.calls_by_execution.get(eid, {})) if tree else 0
             if info.num_calls is not None and stored < info.num_calls:
                 unstored += 1
+    num_open = sum(1 for g in state.groups.values() if g.state == "open")
     out = []
-    if short or running or unstored:
+    if num_open:
         out.append(
             wait(
                 "scoring",
-                f"open groups: {short} missing members, {running} executions running, "
+                f"{num_open} open groups: {short} missing members, {running} executions running, "
                 f"{unstored} ended with calls not stored yet",
             )
         )

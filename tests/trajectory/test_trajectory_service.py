@@ -525,3 +525,30 @@ async def _len_at_least(items: list, n: int) -> bool:  # type: ignore[type-arg]
 
 async def _stat_at_least(run: Running, name: str, n: float) -> bool:
     return await stat(run, name) >= n
+
+
+async def test_a_group_whose_task_never_stored_a_call_is_skipped_and_announced_as_dropped(
+    nats_url, database_url
+):
+    # Every agent of the group crashed before its first call (a broken agent install did this to a
+    # whole run): the task has no tree at all. The group must still end (empty) and be announced as
+    # dropped, so the rollout's admission gets its slot back; it once stayed open and the run stalled.
+    from gyre.v1 import events_pb2
+    from services.trajectory.synthetic import GeneratedExecution
+
+    run_id = unique_run()
+    run = await start(nats_url, database_url, run_id)
+    dropped: list[events_pb2.GroupDroppedEvent] = []
+    tail = asyncio.create_task(
+        _collect(run.bus, subjects.paths_dropped(run_id), events_pb2.GroupDroppedEvent, dropped)
+    )
+    try:
+        crashed = [GeneratedExecution("t-crash", "t-crash-g0", f"t-crash-g0-e{i}") for i in range(2)]
+        await publish_group(run, run_id, crashed)
+        await wait_for(lambda: _len_at_least(dropped, 1))
+        assert [(d.group_id, d.reason) for d in dropped] == [("t-crash-g0", "empty")]
+        assert await stat(run, "groups_state_empty") == 1
+        assert await stat(run, "groups_state_open") == 0
+    finally:
+        tail.cancel()
+        await run.stop()
