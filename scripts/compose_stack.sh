@@ -20,10 +20,10 @@
 #      each rebuilt only when the hash of its inputs (label gyre.inputs) changed; pip's CPU torch
 #      wheel of this host (its find-links folder) is copied into the build context when present,
 #      since a build sees only the package registry, where torch is the CUDA build;
-#   5. secrets: scripts/deploy_secrets.py compose writes what is missing to .env (0600).
+#   5. secrets: scripts/deploy_secrets.py compose writes what is missing to deploy/secrets/compose.env (0600).
 # Files: docker-compose.yml + deploy/compose.cpu.yml (no GPU here) + deploy/compose.local.yml (the
 # locally built images), plus GYRE_COMPOSE_FILES (space-separated extra overrides). Project name:
-# COMPOSE_PROJECT_NAME (default gyre). Secrets: GYRE_ENV_FILE (default .env).
+# COMPOSE_PROJECT_NAME (default gyre). Secrets: GYRE_ENV_FILE (default deploy/secrets/compose.env).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -37,7 +37,7 @@ BASE_SUITE=bookworm # Python 3.11, the version the project supports and the CPU 
 BASE_PACKAGES=python3,python3-venv,ca-certificates,tini
 WHEELS_DIR=deploy/images/wheels
 GYRE_LOCAL_BASE=${GYRE_LOCAL_BASE:-1}
-ENV_FILE=${GYRE_ENV_FILE:-$ROOT/.env}
+ENV_FILE=${GYRE_ENV_FILE:-$ROOT/deploy/secrets/compose.env}
 
 log() { printf '[compose %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() {

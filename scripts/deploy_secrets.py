@@ -1,6 +1,6 @@
 """Secrets and NATS users of a docker compose or Kubernetes deployment: nothing has a default password.
 
-    python scripts/deploy_secrets.py compose [--env-file .env] [--nats-auth deploy/nats/auth.conf]
+    python scripts/deploy_secrets.py compose [--env-file deploy/secrets/compose.env] [--nats-auth deploy/nats/auth.conf]
     python scripts/deploy_secrets.py k8s [--namespace gyre] [--database HOST:PORT/DB] > gyre-secrets.yaml
     python scripts/deploy_secrets.py nats-auth compose|k8s        # the authorization block alone
     python scripts/deploy_secrets.py postgres-roles               # in the compose stack's setup step
@@ -94,7 +94,9 @@ def nats_authorization(roles: tuple[str, ...]) -> str:
 
 
 def write_private(path: Path, text: str) -> None:
-    """`text` into `path`, mode 0600 from the first byte (atomically replaced)."""
+    """`text` into `path`, mode 0600 from the first byte (atomically replaced); its folder is made 0700
+    if missing. Not named `.env` in the repository root: agents' dotenv loaders search upwards for one."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("compose", help="complete the env file docker compose reads; write the NATS users")
-    p.add_argument("--env-file", type=Path, default=ROOT / ".env")
+    p.add_argument("--env-file", type=Path, default=ROOT / "deploy" / "secrets" / "compose.env")
     p.add_argument("--nats-auth", type=Path, default=ROOT / "deploy" / "nats" / "auth.conf")
     p = sub.add_parser("k8s", help="print fresh Secrets and the nats-auth ConfigMap")
     p.add_argument("--namespace", default="gyre")
