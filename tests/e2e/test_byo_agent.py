@@ -22,7 +22,7 @@ import pytest
 from app.job.eventlog import read_events
 from gyre.bus import subjects
 from gyre.v1 import events_pb2
-from tests.helpers.stream import read_stream
+from tests.helpers.stream import expanded_prompts, read_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -71,8 +71,9 @@ def test_unmodified_agent_runs_one_execution_per_launch_scored_trained_and_expor
         assert {c.group_id for c in calls[x]} == {ended[x]["group_id"]}
         # the agent windows its history: its last prompt does not extend the previous call
         by_seq = {c.call_seq: c for c in calls[x]}
-        previous = list(by_seq[2].prompt_token_ids) + list(by_seq[2].completion_token_ids)
-        assert list(by_seq[3].prompt_token_ids)[: len(previous)] != previous
+        prompts = expanded_prompts(calls[x])  # calls after the first travel compact: rebuilt here
+        previous = prompts[2] + list(by_seq[2].completion_token_ids)
+        assert prompts[3][: len(previous)] != previous
 
     # the trees: one execution per launch, every call stored, and the agent's windowed history
     # (and the group's different answers) split nodes, so there are more nodes than calls
@@ -118,9 +119,10 @@ def test_unmodified_agent_runs_one_execution_per_launch_scored_trained_and_expor
         assert out.returncode == 0, out.stderr[-2000:]
         exported = {c["call_seq"]: c for c in json.loads(out.stdout)["calls"]}
         assert sorted(exported) == list(range(MAX_TURNS))
+        prompts = expanded_prompts(calls[x])
         for step in calls[x]:
             c = exported[step.call_seq]
-            assert c["prompt_token_ids"] == list(step.prompt_token_ids)
+            assert c["prompt_token_ids"] == prompts[step.call_seq]
             assert c["completion_token_ids"] == list(step.completion_token_ids)
             assert c["completion_versions"] == list(step.completion_versions)
             np.testing.assert_array_equal(

@@ -29,7 +29,7 @@ from app.job.eventlog import read_events
 from gyre import tokenizer
 from gyre.bus import subjects
 from gyre.v1 import events_pb2
-from tests.helpers.stream import read_stream
+from tests.helpers.stream import expanded_prompts, read_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -86,7 +86,8 @@ def test_unmodified_mini_swe_agent_runs_one_execution_per_launch_scored_by_the_w
         assert {c.group_id for c in calls[x]} == {ended[x]["group_id"]}
         # the prompts are mini-swe-agent's: its system template and the task's issue first, then the
         # reply it gives to each model answer (its format error, or the observation of a command run)
-        by_seq = {c.call_seq: tokenizer.decode(c.prompt_token_ids) for c in calls[x]}
+        # (calls after the first travel compact: their prompts are rebuilt as the services do)
+        by_seq = {seq: tokenizer.decode(ids) for seq, ids in expanded_prompts(calls[x]).items()}
         task = tasks[ended[x]["task_id"]]
         assert "mswea_bash_command" in by_seq[0] and f"Issue: {task['spec']}" in by_seq[0], by_seq[0]
         for seq in range(1, step_limit):

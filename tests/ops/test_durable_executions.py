@@ -24,6 +24,7 @@ import pytest
 from gyre.bus import Bus, subjects
 from gyre.v1 import events_pb2, rollout_pb2, rollout_pb2_grpc
 from services.trajectory.tree import TaskTree
+from tests.helpers.stream import expanded_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 E = events_pb2.ExecutionEvent
@@ -127,9 +128,10 @@ async def test_a_killed_rollout_restarted_resumes_every_live_execution_with_cont
         calls = sorted(by_execution[eid], key=lambda s: s.call_seq)
         assert [s.call_seq for s in calls] == list(range(done[eid].num_calls)), eid
         tree = TaskTree(eid)
+        prompts = expanded_prompts(calls)  # calls after the first travel compact
         for s in calls:
             tree.insert_call(
-                eid, s.call_seq, np.array(s.prompt_token_ids), np.array(s.completion_token_ids),
+                eid, s.call_seq, np.array(prompts[s.call_seq]), np.array(s.completion_token_ids),
                 np.array(s.completion_logprobs), np.array(s.completion_versions),
             )  # fmt: skip
         assert len(tree.leaves_of(eid)) == 1 and len(tree.nodes) == len(calls), eid  # one chain

@@ -24,6 +24,7 @@ from services.rollout.harness import ExternalHarness, OpenAIExecutions, load_rew
 from services.rollout.openai import OpenAIEndpoint, create_app, serve
 from services.rollout.router import Router
 from services.rollout.steps import BusStepSink
+from tests.helpers.stream import expanded_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "harness-test"
@@ -117,8 +118,9 @@ async def test_the_unmodified_example_agent_makes_one_execution_per_launch_score
         assert ends[s.execution_id].reward == pytest.approx(out.progress.score())
         # the agent windows its history: the last prompt does not extend the previous call
         by_seq = {c.call_seq: c for c in calls}
-        previous = list(by_seq[2].prompt_token_ids) + list(by_seq[2].completion_token_ids)
-        assert list(by_seq[3].prompt_token_ids)[: len(previous)] != previous
+        prompts = expanded_prompts(calls)  # calls after the first travel compact: rebuilt here
+        previous = prompts[2] + list(by_seq[2].completion_token_ids)
+        assert prompts[3][: len(previous)] != previous
     assert set(steps) == {s.execution_id for s in specs}  # nothing landed anywhere else
     assert not endpoint.executions  # every issued execution was ended
 
