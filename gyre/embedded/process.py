@@ -168,7 +168,9 @@ def signal_group(pgid: int, sig: int) -> None:
 def group_alive(pgid: int) -> bool:
     """True while some process (not a zombie) is still in process group `pgid`."""
     for proc in psutil.process_iter(["pid", "status"]):
-        with contextlib.suppress(psutil.Error):
+        # A process may exit between the listing and os.getpgid (ProcessLookupError, an OSError): a
+        # 50-kill soak once lost the supervisor thread to that race, and nothing restarted after it.
+        with contextlib.suppress(psutil.Error, OSError):
             if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.info["pid"]) == pgid:
                 return True
     return False
