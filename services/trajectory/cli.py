@@ -81,7 +81,7 @@ async def _via_grpc(address: str, execution_id: str, writer: _JsonWriter) -> Non
 
 @contextlib.contextmanager
 def run_database(run_dir: Path) -> Iterator[tuple[str, str]]:
-    """(run id, database URL) of a run directory, from `RUN_DIR/config.yaml` alone (no GYRE_*
+    """(run id, database URL) of a run directory, from the config.yaml in RUN_DIR alone (no GYRE_*
     variable renames the run): the config's `database_url`; else the run's embedded Postgres,
     reached through endpoints.json while the run goes on, else started for the block and stopped
     after; else GYRE_DATABASE_URL. ConfigError when none of these exists."""
