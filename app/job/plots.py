@@ -9,9 +9,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from app.job.analysis import ROLES, STALL_ZERO_VARIANCE, RunAnalysis
+from app.job.analysis import ROLES, RunAnalysis
 from app.job.busy import BusyTime
 from app.job.faults import Mark
+from app.job.stall_rule import STALL_ZERO_VARIANCE
 
 ROLE_COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "switching": "#C44E52", "idle": "#BBBBBB"}
 

@@ -23,11 +23,11 @@ from rich.table import Table
 from app.job.analysis import (
     ROLE_NAMES,
     RewardSamples,
-    StallWarning,
     StepRow,
     detect_stall,
     teaches_nothing,
 )
+from app.job.stall_rule import StallWarning
 from app.job.typed_events import typed
 
 Record = dict[str, Any]

@@ -24,7 +24,6 @@ from app.job import plots
 from app.job.analysis import (
     LEARNED_RULE,
     MIN_SAMPLES_PER_WINDOW,
-    STALL_RULE,
     TOO_FEW_TO_JUDGE,
     Interval,
     RunAnalysis,
@@ -33,6 +32,7 @@ from app.job.analysis import (
 from app.job.busy import BusyTime, load_busy_time
 from app.job.eventlog import EVENT_LOG_NAME, read_events
 from app.job.faults import RunFaults, faults_markdown, read_faults
+from app.job.stall_rule import STALL_RULE
 
 REPORT_NAME = "report.md"
 SUMMARY_NAME = "summary.json"

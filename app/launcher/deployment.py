@@ -51,12 +51,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -84,8 +84,6 @@ from gyre.bus.auth import ADMIN, OBSERVER
 from gyre.config import CommonConfig, load_common, load_section, load_yaml
 from gyre.errors import GyreError
 from gyre.store import roles
-
-log = logging.getLogger("gyre.launcher")
 
 
 class DeploymentError(GyreError):
@@ -452,18 +450,14 @@ class Deployment:
     # -- supervision --------------------------------------------------------------------------
 
     def _supervise(self) -> None:
-        """Poll every process; restart what exited (see the module docstring). An error in one round
-        (a process gone between two looks at it, a restart that raised) is reported and the next round
-        tries again: the supervisor thread itself never dies while the deployment runs."""
+        """Poll every process, restart what exited (module docstring); a failed round is retried."""
         while not self._halt.wait(0.2):
             try:
                 self._supervise_once()
-            except Exception as exc:  # reported; a dead supervisor would restart nothing ever again
-                log.exception("supervisor round failed; trying again")
-                self._progress(f"supervisor round failed ({exc!r}); trying again")
+            except Exception:
+                self._progress(f"supervisor round failed; trying again:\n{traceback.format_exc()}")
 
     def _supervise_once(self) -> None:
-        """One round: restart every embedded server and service that exited."""
         for name, server in [m for e in list(self._embedded) for m in supervised_members(e)]:
             if server.pid is None and name not in self._gave_up and not self._halt.is_set():
                 self._restart_embedded(name, server)

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from app.job.analysis import STALL_WINDOW_STEPS, StepRow, detect_stall
+from app.job.analysis import StepRow, detect_stall
 from app.job.eventlog import EVENT_LOG_NAME, EventLogWriter, read_events, to_record
 from app.job.progress import LiveProgress, RunTracker
 from app.job.report import build_report, headline
+from app.job.stall_rule import STALL_WINDOW_STEPS
 from gyre.v1 import common_pb2, events_pb2
 
 T0 = 1_800_000_000.0
