@@ -74,9 +74,14 @@ _ENDINGS = {
 Rejection = tuple[str, str, str, bytes]  # kind, key, error, payload
 # Tokens of the latest call of each recent execution kept by StepIngest (4 bytes each): 64 MiB.
 REMEMBERED_TOKENS = 16 * 1024 * 1024
-# Deliveries a compact step may wait for its base call before it is refused as unresolvable (with the
-# consumer's doubling redelivery delay capped at 30 s: about eight minutes).
-BASE_WAIT_LIMIT = 20
+# Deliveries a compact step may wait for its base call before it is refused as unresolvable (the steps
+# consumer's redelivery delay doubles from 0.5 s up to STEPS_MAX_NAK_DELAY_S: about eight minutes).
+BASE_WAIT_LIMIT = 240
+# Longest redelivery delay of a steps batch (s). Short: a base call is usually stored within a batch
+# or two, and after a restart redeliveries arrive out of order in chains (a compact step waiting on a
+# base that waits on its own); at the bus default of 30 s such a chain took minutes to drain and a
+# `gyre chaos --resume` run ended with 12 steps not stored yet.
+STEPS_MAX_NAK_DELAY_S = 2.0
 # Called with a step whose compact reference cannot be resolved and the reason (after the commit).
 Unresolved = Callable[[events_pb2.StepEvent, str], Awaitable[None]]
 

@@ -32,6 +32,7 @@ from gyre.v1 import events_pb2, trajectory_pb2, trajectory_pb2_grpc, waits_pb2
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.core import TrajectoryCore, typed_stats
 from services.trajectory.drops import DropAnnouncer
+from services.trajectory.ingest import STEPS_MAX_NAK_DELAY_S
 from services.trajectory.validation import MAX_PULL_WAIT_S, StepGate
 from services.trajectory.waits import trajectory_waits
 
@@ -209,6 +210,7 @@ class TrajectoryService(Service):
                 events_pb2.StepEvent,
                 self._on_steps,
                 durable=f"{durable}-{run}-steps",
+                max_nak_delay_s=STEPS_MAX_NAK_DELAY_S,
                 batch_size=self.cfg.ingest_batch_size,
                 fetch_max_bytes=self.cfg.ingest_fetch_max_bytes,
             )

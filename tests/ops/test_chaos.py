@@ -272,6 +272,11 @@ def test_a_run_whose_every_process_is_killed_resumes_its_live_executions_and_con
 
     raw = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
     raw["rollout"].update(longhorizon_min_turns=40, longhorizon_max_turns=48)  # executions live for seconds
+    # A group of these executions (~6K tokens) fills a step's batch alone, so admission counts one group
+    # per version (the quickstart's 4 are four short groups): otherwise the rollout runs 12 steps ahead,
+    # the resumed run trains its last steps from that backlog, and the job ends before the executions it
+    # resumed can finish.
+    raw["rollout"]["groups_per_version"] = 1
     raw["job"]["timeout_s"] = 1800  # each of the two runs; the quickstart's 600 s is for an idle machine
     config = tmp_path / "long.yaml"
     config.write_text(yaml.safe_dump(raw))
